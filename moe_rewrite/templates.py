@@ -1,0 +1,63 @@
+"""Load the generated code from templates/ and render it into CST nodes for the module being rewritten."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import libcst as cst
+from libcst.helpers import parse_template_module
+
+from moe_rewrite import __version__
+
+BLOCK_TEMPLATE = "moe_train_block.py"
+METHOD_TEMPLATE = "moe_train_method.py"
+
+
+def _template_dir() -> Path:
+    # Inside the wheel the templates live in the package; in a source checkout they are at the repository root.
+    packaged = Path(__file__).parent / "templates"
+    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
+
+
+@lru_cache(maxsize=None)
+def load_template(name: str) -> str:
+    return (_template_dir() / name).read_text(encoding="utf-8")
+
+
+def _render(name: str, module: cst.Module, **replacements: cst.BaseExpression) -> list[cst.BaseStatement]:
+    """Parse a template with the target module's newline and indentation, returning its statements.
+
+    The comment block at the top of a template is for people reading templates/ and is dropped.
+    """
+    text = load_template(name).replace("\n", module.default_newline)
+    parsed = parse_template_module(text, config=module.config_for_parsing, **replacements)
+    return list(parsed.body)
+
+
+def options_literal(backend: str, stacking: str) -> cst.Dict:
+    text = repr({"version": __version__, "backend": backend, "stacking": stacking}).replace("'", '"')
+    return cst.ensure_type(cst.parse_expression(text), cst.Dict)
+
+
+def banner_lines(moe_class: str, backend: str, stacking: str) -> list[cst.EmptyLine]:
+    comments = [
+        f"# ---- moe-rewrite {__version__} (backend={backend}, stacking={stacking}): training path for {moe_class} ----",
+        "# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.",
+    ]
+    return [cst.EmptyLine(), cst.EmptyLine()] + [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]
+
+
+def render_block(module: cst.Module, moe_class: str, backend: str, stacking: str) -> list[cst.BaseStatement]:
+    """The module-level helper block, its first statement carrying the banner."""
+    body = _render(BLOCK_TEMPLATE, module, options=options_literal(backend, stacking))
+    first = body[0]
+    body[0] = first.with_changes(leading_lines=banner_lines(moe_class, backend, stacking))
+    return body
+
+
+def render_moe_train(module: cst.Module) -> cst.FunctionDef:
+    """The `moe_train` method, preceded by one blank line as methods are."""
+    (holder,) = _render(METHOD_TEMPLATE, module)
+    (method,) = cst.ensure_type(holder, cst.ClassDef).body.body
+    return cst.ensure_type(method, cst.FunctionDef).with_changes(leading_lines=[cst.EmptyLine(indent=False)])

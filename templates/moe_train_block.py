@@ -1,0 +1,148 @@
+# Module-level helpers of the generated MoE training path.
+# moe-rewrite inserts the statements below (after this comment block) in front of the MoE class. Names in braces are
+# filled in at rewrite time; everything else is copied as written. Every top-level name starts with MOE_REWRITE_ or
+# _moe_rewrite_ so that a later run finds and regenerates the block.
+
+MOE_REWRITE_OPTIONS = {options}
+
+
+def _moe_rewrite_kernel(x):
+    """Which grouped-GEMM kernel runs for activations `x`: MOE_REWRITE_BACKEND, else the default chosen at rewrite."""
+    import os
+
+    backend = os.environ.get("MOE_REWRITE_BACKEND") or MOE_REWRITE_OPTIONS["backend"]
+    cuda_bf16 = x.is_cuda and x.dtype == torch.bfloat16
+    if backend == "loop":
+        return "loop"
+    if backend == "grouped_gemm":
+        if not cuda_bf16 or _moe_rewrite_grouped_gemm() is None:
+            raise RuntimeError(
+                "moe-rewrite: backend 'grouped_gemm' needs the grouped_gemm package, CUDA and bfloat16 activations"
+            )
+        return "grouped_gemm"
+    # torch's grouped matmul only has fast kernels for bf16 on sm90+; anywhere else the sorted per-expert pass is faster.
+    torch_fast = (
+        cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+    if backend == "torch":
+        return "torch" if torch_fast else "sorted"
+    if backend == "auto":
+        if torch_fast:
+            return "torch"
+        if cuda_bf16 and _moe_rewrite_grouped_gemm() is not None:
+            return "grouped_gemm"
+        return "sorted"
+    raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, grouped_gemm or loop")
+
+
+def _moe_rewrite_grouped_gemm():
+    """The grouped_gemm package's backend module, or None when it is not installed."""
+    try:
+        from grouped_gemm import backend
+    except ImportError:
+        return None
+    return backend
+
+
+def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
+    """One grouped GEMM over rows sorted by expert; `offsets` holds the cumulative row counts per expert (int32).
+
+    mode "fwd":   a (rows, in),  b (E, out, in) -> (rows, out), each row times its expert's weight transposed
+    mode "dgrad": a (rows, out), b (E, out, in) -> (rows, in)
+    mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
+    """
+    if kernel == "torch":
+        if mode == "fwd":
+            return torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+        if mode == "dgrad":
+            return torch._grouped_mm(a, b, offs=offsets)
+        return torch._grouped_mm(a.t(), b, offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).cpu()
+    if kernel == "grouped_gemm":
+        gg = _moe_rewrite_grouped_gemm()
+        counts = counts.long()
+        if mode == "fwd":
+            return gg.gmm(a, b, counts, trans_b=True)
+        if mode == "dgrad":
+            return gg.gmm(a, b, counts)
+        return gg.gmm(a, b, counts, trans_a=True)
+    # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype.
+    a_parts = a.split(counts.tolist())
+    if mode == "fwd":
+        return torch.cat([part @ w.t() for part, w in zip(a_parts, b)])
+    if mode == "dgrad":
+        return torch.cat([part @ w for part, w in zip(a_parts, b)])
+    return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b.split(counts.tolist()))])
+
+
+def _moe_rewrite_stack(weights, parts):
+    """The experts' weights as one (E, parts * out, in) tensor; `weights` lists part 0 of every expert, then part 1...
+
+    When the weights already lie at a fixed stride in one buffer (inside an FSDP flat parameter, say) this is a view
+    of that buffer; otherwise it is a copy.
+    """
+    experts = len(weights) // parts
+    first = weights[0]
+    rows, cols = first.shape
+    base = first.storage_offset()
+    stride = weights[1].storage_offset() - base if experts > 1 else 0
+    if stride >= parts * rows * cols and (stride * first.element_size()) % 16 == 0 and all(
+        w.is_contiguous()
+        and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and w.storage_offset() == base + (i % experts) * stride + (i // experts) * rows * cols
+        for i, w in enumerate(weights)
+    ):
+        return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base)
+    stacked = first.new_empty((experts, parts, rows, cols))
+    torch._foreach_copy_(
+        [stacked[i % experts, i // experts] for i in range(len(weights))], list(weights)
+    )
+    return stacked.view(experts, parts * rows, cols)
+
+
+class _MoeRewriteGroupedLinear(torch.autograd.Function):
+    """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
+
+    The weights are the experts' own nn.Linear parameters (state-dict keys unchanged); `parts` > 1 concatenates
+    several projections per expert along the output dim (gate and up in one GEMM). With keep_stacked False the stacked
+    copy is rebuilt in backward instead of being kept alive between forward and backward (lower peak memory).
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, kernel, keep_stacked, parts, *weights):
+        stacked = _moe_rewrite_stack(weights, parts)
+        ctx.kernel, ctx.parts, ctx.keep_stacked = kernel, parts, keep_stacked
+        ctx.save_for_backward(x, offsets, stacked if keep_stacked else None, *weights)
+        return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, stacked, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if stacked is None:
+                stacked = _moe_rewrite_stack(weights, ctx.parts)
+            grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[5:]):
+            grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad")
+            experts = len(weights) // ctx.parts
+            grad_weights = [g for part in grad_w.view(experts, ctx.parts, *weights[0].shape).unbind(1) for g in part]
+        return (grad_x, None, None, None, None, *grad_weights)
+
+
+def _moe_rewrite_combine(y, topk_ids, topk_weight):
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights)."""
+    dtype = torch.promote_types(y.dtype, topk_weight.dtype)
+    return (y.view(*topk_ids.shape, -1).to(dtype) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
+    """The naive per-expert loop (the published V2 training path), kept as a baseline: backend "loop"."""
+    flat_ids = topk_ids.view(-1)
+    x = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    y = torch.empty_like(x)
+    for i, expert in enumerate(experts):
+        y[flat_ids == i] = expert(x[flat_ids == i])
+    return _moe_rewrite_combine(y, topk_ids, topk_weight)

@@ -1,0 +1,77 @@
+"""Shared test fixtures: the stand-in checkpoints, isolated Hub/module caches, patched-model builders."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+V3_DIR = FIXTURES / "deepseek_v3"
+V2_DIR = FIXTURES / "deepseek_v2"
+FORM_DIRS = {"v3": V3_DIR, "v2": V2_DIR}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_hf(tmp_path_factory):
+    """No test touches the network or the user's caches."""
+    home = tmp_path_factory.mktemp("hf_home")
+    os.environ["HF_HOME"] = str(home)
+    os.environ["HF_HUB_CACHE"] = str(home / "hub")
+    os.environ["HF_MODULES_CACHE"] = str(home / "modules")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    os.environ.pop("MOE_REWRITE_BACKEND", None)
+    yield
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """Run the CLI in-process like a user would, capturing (exit code, stdout, stderr)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from moe_rewrite.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under path with its bytes (links as their targets), to prove nothing was modified."""
+    result = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_symlink():
+            result[str(p.relative_to(path))] = b"->" + os.readlink(p).encode()
+        elif p.is_file():
+            result[str(p.relative_to(path))] = p.read_bytes()
+    return result
+
+
+_counter = iter(range(10**6))
+
+
+def patched_checkpoint(tmp_path_factory, form: str, *options: str) -> Path:
+    """Rewrite a stand-in checkpoint through the CLI into a fresh, uniquely named directory."""
+    # transformers names the dynamic module after the directory: keep names unique per variant.
+    out = tmp_path_factory.mktemp("ckpt") / f"patched_{form}_{next(_counter)}"
+    code, _, err = run_cli(FORM_DIRS[form], "--out", out, *options)
+    assert code == 0, err
+    return out
+
+
+def build_model(path: Path, seed: int = 0, **config_overrides):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True, **config_overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.float32)
+
+
+def model_module(model):
+    return sys.modules[type(model).__module__]

@@ -1,0 +1,40 @@
+# An early V2-form revision: no dtype cast after the weighted sum, a comment in the loop.
+import torch
+from torch import nn
+
+
+class MoEGate(nn.Module):
+    def forward(self, hidden_states):
+        if self.topk_method == "gready":
+            topk_weight, topk_idx = torch.topk(hidden_states.softmax(dim=-1), k=self.top_k, dim=-1)
+        return topk_idx, topk_weight, None
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = MoEGate(config)
+
+    def forward(self, hidden_states):
+        identity = hidden_states
+        orig_shape = hidden_states.shape
+        topk_idx, topk_weight, aux_loss = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        flat_topk_idx = topk_idx.view(-1)
+        if self.training:
+            # one copy of each token per selected expert
+            hidden_states = hidden_states.repeat_interleave(self.num_experts_per_tok, dim=0)
+            y = torch.empty_like(hidden_states)
+            for i, expert in enumerate(self.experts):
+                # tokens routed to expert i
+                y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])
+            y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+            y = y.view(*orig_shape)
+            y = AddAuxiliaryLoss.apply(y, aux_loss)
+        else:
+            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
+        return y
+
+    @torch.no_grad()
+    def moe_infer(self, x, topk_ids, topk_weight):
+        return x

@@ -1,0 +1,184 @@
+"""The codemod on source snippets: what changes, what stays byte for byte, idempotence, refusals."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+
+from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
+
+PAIRS = Path(__file__).parent / "pairs"
+INPUTS = sorted(PAIRS.glob("*.in.py"))
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode()
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
+def test_fixture_pair(source: Path):
+    """input -> expected output, byte for byte (MOE_REWRITE_UPDATE_PAIRS=1 rewrites the expected files)."""
+    expected_path = source.with_name(source.name.replace(".in.py", ".out.py"))
+    result = rewrite_source(_read(source))
+    if os.environ.get("MOE_REWRITE_UPDATE_PAIRS"):
+        expected_path.write_bytes(result.text.encode())
+    assert result.changed
+    assert result.text == _read(expected_path)
+    ast.parse(result.text)
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
+def test_second_run_changes_nothing(source: Path):
+    once = rewrite_source(_read(source)).text
+    again = rewrite_source(once)
+    assert not again.changed
+    assert again.text == once
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
+def test_other_options_regenerate(source: Path):
+    default = rewrite_source(_read(source)).text
+    other = rewrite_source(default, RewriteOptions(backend="loop", stacking="sequential"))
+    assert other.changed
+    assert '"backend": "loop"' in other.text and '"stacking": "sequential"' in other.text
+    assert '"backend": "auto"' not in other.text
+    assert other.text.count("def moe_train(") == 1
+    assert other.text.count("class _MoeRewriteGroupedLinear") == 1
+    # and back: the same bytes as a first run with the defaults
+    assert rewrite_source(other.text).text == default
+
+
+def _removed_lines(old: str, new: str) -> list[str]:
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    removed = []
+    for tag, i1, i2, _, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag in ("delete", "replace"):
+            removed += a[i1:i2]
+    return [line.strip() for line in removed]
+
+
+def test_v3_only_the_assert_is_removed():
+    text = _read(PAIRS / "v3_basic.in.py")
+    result = rewrite_source(text)
+    assert result.form == "v3" and result.moe_class == "DeepseekV3MoE" and result.gate_class == "MoEGate"
+    assert _removed_lines(text, result.text) == ["assert not self.training"]
+    assert "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight)" in result.text
+
+
+def test_v3_reformatted_keeps_comments_and_names():
+    text = _read(PAIRS / "v3_reformatted.in.py")
+    result = rewrite_source(text)
+    assert result.gate_class == "Router"
+    assert _removed_lines(text, result.text) == ["assert (not self.training)"]
+    assert "# Inference only in the original release." in result.text
+    assert "self.moe_train(x, ids, weights)" in result.text
+    assert "# sorted experts" in result.text
+
+
+def test_v2_replaces_the_loop_and_keeps_cast_and_aux_loss():
+    text = _read(PAIRS / "v2_basic.in.py")
+    result = rewrite_source(text)
+    assert result.form == "v2"
+    removed = _removed_lines(text, result.text)
+    assert removed[0] == "hidden_states = hidden_states.repeat_interleave("
+    assert "for i, expert in enumerate(self.experts):" in removed
+    assert all("AddAuxiliaryLoss" not in line and ".to(hidden_states.dtype)" not in line for line in removed)
+    body = result.text[result.text.index("        if self.training:") :]
+    assert body.startswith(
+        "        if self.training:\n"
+        "            # moe-rewrite: the experts as grouped GEMMs instead of a loop over experts\n"
+        "            y = self.moe_train(hidden_states, topk_idx, topk_weight)\n"
+        "            y = y.to(hidden_states.dtype).view(*orig_shape)\n"
+        "            y = AddAuxiliaryLoss.apply(y, aux_loss)\n"
+        "        else:\n"
+    )
+
+
+def test_v2_early_revision_keeps_its_missing_cast():
+    result = rewrite_source(_read(PAIRS / "v2_early.in.py"))
+    assert "self.moe_train(hidden_states, topk_idx, topk_weight)\n            y = y.view(*orig_shape)\n" in result.text
+    # the comment described the replaced loop: it goes with it
+    assert "# one copy of each token per selected expert" not in result.text
+    assert "# tokens routed to expert i" not in result.text
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
+def test_crlf_in_crlf_out(source: Path):
+    text = _read(source).replace("\n", "\r\n")
+    result = rewrite_source(text)
+    assert "\n" not in result.text.replace("\r\n", "")
+    assert result.text == rewrite_source(_read(source)).text.replace("\n", "\r\n")
+
+
+def test_eval_path_and_moe_infer_untouched():
+    text = _read(PAIRS / "v3_basic.in.py")
+    new = rewrite_source(text).text
+    for needle in (
+        "    @torch.no_grad()\n    def moe_infer(self, x, topk_ids, topk_weight):\n        return x\n",
+        "        if not self.training:\n            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n",
+    ):
+        assert needle in text and needle in new
+
+
+V3_MOE = """
+class M:
+    def __init__(self, config):
+        self.gate = G(config)
+
+    def forward(self, h):
+        ids, w = self.gate(h)
+{branch}
+        return y
+
+    def moe_infer(self, x, ids, w):
+        return x
+"""
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("import torch\nx = 1\n", "no class defines both forward() and moe_infer()"),
+        ("def f(:\n", "syntax error at line 1"),
+        (V3_MOE.format(branch="        y = self.moe_infer(h, ids, w)"), "expected one `if self.training:`"),
+        (
+            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)\n        else:\n            y = h"),
+            "already has an else branch",
+        ),
+        (
+            V3_MOE.format(branch="        if self.training:\n            y = h\n        else:\n            y = self.moe_infer(h, ids, w)"),
+            "unrecognised structure (self.gate returns 2 values",
+        ),
+        (
+            V3_MOE.replace("ids, w = self.gate(h)", "ids, w, aux = self.gate(h)").format(
+                branch="        if self.training:\n            y = h\n        else:\n            y = self.moe_infer(h, ids, w)"
+            ),
+            "no `for ... in enumerate(self.experts)` loop",
+        ),
+        (
+            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)"),
+            "gate class G is not defined once",
+        ),
+        (
+            V3_MOE.format(branch="        if not self.training:\n            self.moe_infer(h, ids, w)"),
+            "does not assign the result of self.moe_infer",
+        ),
+    ],
+    ids=["no-moe", "syntax", "no-branch", "foreign-else", "arity-mismatch", "v2-no-loop", "no-gate-class", "no-assign"],
+)
+def test_unrecognised_structure_is_refused(text, message):
+    with pytest.raises(RewriteError) as info:
+        rewrite_source(text)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_options_are_refused():
+    with pytest.raises(RewriteError, match="unknown backend 'cutlass'"):
+        RewriteOptions(backend="cutlass")
+    with pytest.raises(RewriteError, match="unknown stacking"):
+        RewriteOptions(stacking="lazy")
