@@ -20,7 +20,7 @@ from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResu
 def unified_diff(path: Path, old: str, new: str) -> str:
     return "".join(
         difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path}", f"b/{path}"
+            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path.as_posix().lstrip('/')}", f"b/{path.as_posix().lstrip('/')}"
         )
     )
 
@@ -80,7 +80,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         if out is not None:
             written, linked = publish.write_checkpoint(out, src, result.text)
             click.echo(f"Rewrote {path} -> {written[0]} ({_describe(result, options)})", err=True)
-            click.echo(f"  copied {len(written) - 1} code/config files, linked {len(linked)} others into {out}", err=True)
+            click.echo(f"  {out}: {len(written) - 1} code/config files copied, {len(linked)} files linked", err=True)
             continue
         if not result.changed:
             continue

@@ -1,0 +1,47 @@
+"""The wheel users install carries the templates, and the installed package rewrites without the source tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from conftest import ROOT, V3_DIR
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, ROOT],
+        check=True,
+    )
+    (path,) = out.glob("moe_rewrite-*.whl")
+    return path
+
+
+def test_wheel_ships_templates_and_entry_point(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "moe_rewrite/templates/moe_train_block.py" in names
+    assert "moe_rewrite/templates/moe_train_method.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "moe-rewrite = moe_rewrite.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_installed_wheel_rewrites_outside_the_source_tree(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel], check=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "moe_rewrite", V3_DIR, "--out", out], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    where = subprocess.run(
+        [sys.executable, "-c", "import moe_rewrite.templates as t; print(t._template_dir())"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert where.startswith(str(target))
+    assert "def moe_train(" in (out / "modeling_deepseek.py").read_text()

@@ -1,0 +1,258 @@
+"""trust_remote_code end to end: the patched stand-in checkpoints load, keep eval unchanged, and train with outputs and
+gradients equal to an explicit per-expert reference computed here in float64."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import FORM_DIRS, build_model, model_module, patched_checkpoint  # noqa: E402
+
+REL = 1e-5
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def form(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory, form):
+    return patched_checkpoint(tmp_path_factory, form)
+
+
+def moe_layer(model):
+    layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
+    assert layers, "no rewritten MoE layer in the model"
+    return layers[0]
+
+
+def reference_moe(moe, x, topk_ids=None, topk_weight=None):
+    """The MoE layer computed token by token, expert by expert, in float64 from a copy of its parameters.
+
+    Returns (output, the float64 copy, x64, aux loss or None) so gradients can be taken on the copy.
+    """
+    ref = copy.deepcopy(moe).double()
+    x64 = x.detach().double().requires_grad_(True)
+    flat = x64.reshape(-1, x64.shape[-1])
+    aux = None
+    if topk_ids is None:
+        routed = ref.gate(x64)
+        topk_ids, topk_weight = routed[0], routed[1]
+        aux = routed[2] if len(routed) == 3 else None
+    topk_weight = topk_weight.double()
+    rows = []
+    for t in range(flat.shape[0]):
+        acc = torch.zeros_like(flat[t])
+        for j in range(topk_ids.shape[1]):
+            e = ref.experts[int(topk_ids[t, j])]
+            h = e.act_fn(flat[t] @ e.gate_proj.weight.t()) * (flat[t] @ e.up_proj.weight.t())
+            acc = acc + topk_weight[t, j] * (h @ e.down_proj.weight.t())
+        rows.append(acc)
+    out = torch.stack(rows).view_as(x64)
+    if ref.config.n_shared_experts is not None:
+        out = out + ref.shared_experts(x64)
+    return out, ref, x64, aux
+
+
+def expert_params(moe):
+    named = {"gate.weight": moe.gate.weight}
+    for i, e in enumerate(moe.experts):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            named[f"experts.{i}.{proj}.weight"] = getattr(e, proj).weight
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        named[f"shared_experts.{proj}.weight"] = getattr(moe.shared_experts, proj).weight
+    return named
+
+
+def test_patched_checkpoint_loads_original_weights_strictly_and_eval_is_unchanged(patched, form):
+    original = build_model(FORM_DIRS[form], seed=1)
+    model = build_model(patched, seed=2)
+    model.load_state_dict(original.state_dict(), strict=True)
+    assert model.state_dict().keys() == original.state_dict().keys()
+    original.eval(), model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_original_v3_cannot_train_and_patched_one_can(patched, form):
+    ids = torch.randint(0, 256, (2, 12))
+    original = build_model(FORM_DIRS[form]).train()
+    if form == "v3":
+        with pytest.raises(AssertionError):
+            original(input_ids=ids, labels=ids)
+    model = build_model(patched).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (1, 1)], ids=["batch", "single-token"])
+def test_train_output_and_gradients_match_per_expert_reference(patched, form, shape):
+    model = build_model(patched, seed=int(torch.randint(0, 10**6, ())))
+    moe = moe_layer(model).train()
+    x = torch.randn(*shape, model.config.hidden_size, requires_grad=True)
+    y = moe(x)
+    ref_y, ref, x64, aux = reference_moe(moe, x)
+    assert rel_err(y, ref_y) < REL
+    probe = torch.randn_like(y)
+    (y * probe).sum().backward()
+    ref_loss = (ref_y * probe.double()).sum()
+    if aux is not None:  # V2: AddAuxiliaryLoss feeds a gradient of 1 to the aux loss
+        ref_loss = ref_loss + aux
+    ref_loss.backward()
+    assert rel_err(x.grad, x64.grad) < REL
+    ref_params = expert_params(ref)
+    for name, p in expert_params(moe).items():
+        assert not torch.isnan(p.grad).any(), name
+        if ref_params[name].grad is None:  # an expert with no tokens: zero gradient, like the loop's
+            assert torch.count_nonzero(p.grad) == 0, name
+        else:
+            assert rel_err(p.grad, ref_params[name].grad) < REL, name
+
+
+def test_v2_aux_loss_gradient_reaches_the_router(tmp_path_factory):
+    model = build_model(patched_checkpoint(tmp_path_factory, "v2"))
+    moe = moe_layer(model).train()
+    x = torch.randn(2, 5, model.config.hidden_size)
+    aux_only = moe.gate(x)[2]
+    assert aux_only is not None and aux_only.requires_grad
+    (grad_aux,) = torch.autograd.grad(aux_only, moe.gate.weight)
+    # y * 0 removes every path but the aux loss's: the router still gets exactly the aux-loss gradient.
+    (moe(x) * 0).sum().backward()
+    assert torch.count_nonzero(grad_aux) > 0
+    assert rel_err(moe.gate.weight.grad, grad_aux) < REL
+
+
+def test_v3_selection_in_training_equals_eval_and_bias_gets_no_gradient(tmp_path_factory):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3")))
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.randn_like(moe.gate.e_score_correction_bias))
+    x = torch.randn(4, 6, moe.config.hidden_size)
+    ids_eval, w_eval = moe.eval().gate(x)
+    ids_train, w_train = moe.train().gate(x)
+    assert torch.equal(ids_eval, ids_train) and torch.equal(w_eval, w_train)
+    moe(x).sum().backward()
+    assert moe.gate.e_score_correction_bias.grad is None
+
+
+@pytest.mark.parametrize("routing", ["all-to-one", "random"])
+@pytest.mark.parametrize("options", [(), ("--stacking", "sequential")], ids=["stack", "sequential"])
+def test_moe_train_with_given_routing(tmp_path_factory, routing, options):
+    """Skewed routing: every token's first slot goes to expert 3; most experts get no token at all."""
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3", *options))).train()
+    n, k, e = 9, moe.config.num_experts_per_tok, moe.config.n_routed_experts
+    x = torch.randn(n, moe.config.hidden_size, requires_grad=True)
+    if routing == "all-to-one":
+        ids = torch.stack([torch.full((n,), 3), torch.full((n,), 5)], dim=1)[:, :k]
+    else:
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    weight = torch.rand(n, k, requires_grad=True)
+    y = moe.moe_train(x, ids, weight)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+
+    ref = copy.deepcopy(moe).double()
+    x64, w64 = x.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    ref_y = torch.zeros_like(x64)
+    for i, expert in enumerate(ref.experts):
+        token, slot = (ids == i).nonzero(as_tuple=True)
+        ref_y = ref_y.index_add(0, token, w64[token, slot, None] * expert(x64[token]))
+    assert rel_err(y, ref_y) < REL
+    probe = torch.randn_like(y)
+    (y * probe).sum().backward()
+    (ref_y * probe.double()).sum().backward()
+    assert rel_err(x.grad, x64.grad) < REL and rel_err(weight.grad, w64.grad) < REL
+    used = set(ids.flatten().tolist())
+    for i, (expert, ref_expert) in enumerate(zip(moe.experts, ref.experts)):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            grad = getattr(expert, proj).weight.grad
+            assert grad is not None and not torch.isnan(grad).any()
+            if i in used:
+                assert rel_err(grad, getattr(ref_expert, proj).weight.grad) < REL
+            else:
+                assert torch.count_nonzero(grad) == 0
+
+
+def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    module = model_module(moe)
+    x = torch.randn(6, moe.config.hidden_size)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
+    w = torch.rand(6, 2)
+    results = {}
+    for backend in ("auto", "torch", "loop"):
+        monkeypatch.setenv("MOE_REWRITE_BACKEND", backend)
+        results[backend] = moe.moe_train(x, ids, w)
+    assert module._moe_rewrite_kernel(x) == "loop"
+    assert rel_err(results["auto"], results["loop"]) < REL and rel_err(results["torch"], results["loop"]) < REL
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "grouped_gemm")
+    with pytest.raises(RuntimeError, match="grouped_gemm package, CUDA and bfloat16"):
+        moe.moe_train(x, ids, w)
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
+        moe.moe_train(x, ids, w)
+    monkeypatch.delenv("MOE_REWRITE_BACKEND")
+    assert module._moe_rewrite_kernel(x) == "sorted"  # CPU default under "auto"
+
+
+def test_loop_backend_written_into_the_file_is_used(tmp_path_factory):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3", "--backend", "loop")))
+    assert "MOE_REWRITE_BACKEND" not in os.environ
+    assert model_module(moe)._moe_rewrite_kernel(torch.randn(2, 2)) == "loop"
+
+
+def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
+    """Experts laid out at a fixed stride in one buffer (as in an FSDP flat parameter): a view, not a stack copy."""
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    module = model_module(moe)
+    experts = list(moe.experts)
+    sizes = [p.numel() for p in experts[0].parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for e in experts for p in e.parameters()])
+    offset = 0
+    for e in experts:
+        for p, size in zip(e.parameters(), sizes):
+            p.data = flat[offset : offset + size].view_as(p)
+            offset += size
+    names = [n for n, _ in experts[0].named_parameters()]
+    assert names == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    gate_up = module._moe_rewrite_stack([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts], 2)
+    down = module._moe_rewrite_stack([e.down_proj.weight for e in experts], 1)
+    assert gate_up.data_ptr() == flat.data_ptr() and down.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    for i, e in enumerate(experts):
+        assert torch.equal(gate_up[i], torch.cat([e.gate_proj.weight, e.up_proj.weight]))
+        assert torch.equal(down[i], e.down_proj.weight)
+    x = torch.randn(5, moe.config.hidden_size, requires_grad=True)
+    y = moe(x)
+    ref_y, ref, x64, _ = reference_moe(moe, x)
+    assert rel_err(y, ref_y) < REL
+    y.sum().backward()
+    ref_y.sum().backward()
+    assert rel_err(x.grad, x64.grad) < REL
+    for e, r in zip(moe.experts, ref.experts):
+        if r.down_proj.weight.grad is not None:
+            assert rel_err(e.down_proj.weight.grad, r.down_proj.weight.grad) < REL
+
+
+def test_expert_parallel_is_refused_clearly(patched, form):
+    moe = moe_layer(build_model(patched)).train()
+    moe.ep_size = 2
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        moe(torch.randn(1, 3, moe.config.hidden_size))
