@@ -61,8 +61,8 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
     """
     _check_modes(specs, out, in_place, check, diff)
     options = RewriteOptions(backend=backend, stacking=stacking)
-    if in_place and any(sources.REPO_ID.match(s) and not Path(s).exists() for s in specs):
-        raise RewriteError("a Hub repo cannot be rewritten in place; use --out DIR")
+    if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
+        raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
     # Everything is resolved and rewritten before anything is written: an error leaves every file as it was.
     resolved = [sources.resolve(spec, revision, token) for spec in specs]
     results = []

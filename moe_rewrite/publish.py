@@ -59,7 +59,7 @@ def write_checkpoint(out: Path, source: Source, patched: str) -> tuple[list[Path
     if source.root is None:
         return written, linked
     for entry in sorted(source.root.iterdir()):
-        if entry.name.startswith(".") or entry.name == source.modeling_file.name:
+        if entry.name.startswith(".") or entry.name == source.modeling_file.name or out.resolve().is_relative_to(entry.resolve()):
             continue
         dest = out / entry.name
         if source.kind == "hub":

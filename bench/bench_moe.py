@@ -1,0 +1,300 @@
+"""Expert-MLP forward + backward on one GPU: naive loop vs moe-rewrite's generated code vs transformers' grouped_mm.
+
+Runs in one device call (see bench/README.md for the exact command) and prints a table last. The moe-rewrite rows
+run the code the tool wrote into our V3-form stand-in fixture (rewritten here with the CLI), at the sizes below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "seed": dict(E=128, H=2048, I=512, k=8, N=4096),
+    "moonlight": dict(E=64, H=2048, I=1408, k=6, N=8192),
+    "v3": dict(E=256, H=7168, I=2048, k=8, N=4096),
+}
+ROUTING_SETS = 4  # rotate among several routings so no run measures one lucky load pattern
+
+
+def rewrite_fixture(out: Path, *options: str) -> Path:
+    cmd = [sys.executable, "-m", "moe_rewrite", str(ROOT / "fixtures" / "deepseek_v3"), "--out", str(out), *options]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+    return out
+
+
+def import_patched(directory: Path, name: str):
+    """Import the patched modeling file as a package module (it imports .configuration_deepseek)."""
+    # The stand-in imports helpers that transformers 5 removed, as the real files do; the MoE code does not use them.
+    import transformers.pytorch_utils as pytorch_utils
+    import transformers.utils.import_utils as import_utils
+
+    import_utils.is_torch_fx_available = getattr(import_utils, "is_torch_fx_available", lambda: True)
+    pytorch_utils.is_torch_greater_or_equal_than_1_13 = True
+    pytorch_utils.ALL_LAYERNORM_LAYERS = getattr(pytorch_utils, "ALL_LAYERNORM_LAYERS", [])
+    package = importlib.util.spec_from_file_location(name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    (directory / "__init__.py").touch()
+    sys.modules[name] = importlib.util.module_from_spec(package)
+    package.loader.exec_module(sys.modules[name])
+    return importlib.import_module(f"{name}.modeling_deepseek"), importlib.import_module(f"{name}.configuration_deepseek")
+
+
+def routings(cfg, device, seed):
+    """Top-k experts drawn without replacement from a softmax over random logits with per-expert popularity."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for _ in range(ROUTING_SETS):
+        popularity = torch.randn(cfg["E"], generator=g)
+        probs = torch.softmax(torch.randn(cfg["N"], cfg["E"], generator=g) + popularity, dim=-1)
+        ids = torch.multinomial(probs, cfg["k"], replacement=False, generator=g)
+        weights = probs.gather(1, ids)
+        weights = weights / weights.sum(-1, keepdim=True)
+        x = torch.randn(cfg["N"], cfg["H"], generator=g) * 0.5
+        grad = torch.randn(cfg["N"], cfg["H"], generator=g) * 1e-2
+        out.append(tuple(t.to(device) for t in (x.bfloat16(), ids, weights.float(), grad.bfloat16())))
+    return out
+
+
+def naive_loop(moe, x, ids, w):
+    """The per-expert loop users write (the V2 training path's pattern) over per-expert nn.Linear layers."""
+    flat = ids.view(-1)
+    rows = x.repeat_interleave(ids.shape[1], dim=0)
+    y = torch.empty_like(rows)
+    for i, expert in enumerate(moe.experts):
+        y[flat == i] = expert(rows[flat == i])
+    return (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def moe_rewrite(moe, x, ids, w):
+    # What the patched forward does in training: moe_train, then the cast back to the activations' dtype.
+    return moe.moe_train(x, ids, w).type(x.dtype)
+
+
+def build_peer(cfg, moe):
+    """transformers' own DeepseekV3 experts module, experts_implementation grouped_mm, with the same weights."""
+    import transformers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], n_routed_experts=cfg["E"],
+        num_experts_per_tok=cfg["k"], hidden_act="silu",
+    )
+    config._experts_implementation = "grouped_mm"
+    classes = [c for n, c in vars(hf).items() if isinstance(c, type) and issubclass(c, torch.nn.Module)
+               and ("Experts" in n or "NaiveMoe" in n)]
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            peer = next(m for m in (c(config) for c in classes) if hasattr(m, "gate_up_proj"))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    classes = [type(peer)]
+    with torch.no_grad():
+        for e, expert in enumerate(moe.experts):
+            peer.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+            peer.down_proj[e].copy_(expert.down_proj.weight)
+    peer.config._experts_implementation = "grouped_mm"
+    return peer, f"{classes[0].__name__} (transformers {transformers.__version__}, _experts_implementation=grouped_mm)"
+
+
+def grads_of(impl, moe, peer, x):
+    if impl == "transformers-grouped_mm":
+        gu, d = peer.gate_up_proj.grad, peer.down_proj.grad
+    else:
+        gu = torch.stack([torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe.experts])
+        d = torch.stack([e.down_proj.weight.grad for e in moe.experts])
+    return [x.grad, gu, d]
+
+
+def clear_grads(moe, peer, x=None):
+    for p in list(moe.parameters()) + (list(peer.parameters()) if peer is not None else []):
+        p.grad = None
+    if x is not None:
+        x.grad = None
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_impl(fn, data, moe, peer, warmup, reps):
+    """Median ms of forward+backward over `reps` timed steps, rotating routings; and the step's extra peak memory."""
+    times = []
+    for i in range(warmup + reps):
+        x, ids, w, g = data[i % len(data)]
+        x = x.detach().requires_grad_(True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x, ids, w).backward(g)
+        end.record()
+        clear_grads(moe, peer)
+        if i >= warmup:
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    x, ids, w, g = data[0]
+    x = x.detach().requires_grad_(True)
+    y = fn(x, ids, w)
+    y.backward(g)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return sorted(times)[len(times) // 2], peak, y.detach(), x
+
+
+def matmul_tflops():
+    a, b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def check_empty_experts(module, kernels):
+    """wgrad of an expert that got no rows must be exactly zero on every kernel (the loop gives zeros)."""
+    E, out, inp, rows = 8, 64, 128, 40
+    counts = torch.tensor([0, 10, 0, 0, 30, 0, 0, 0])
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    a = torch.randn(rows, out, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, inp, device="cuda", dtype=torch.bfloat16)
+    result = {}
+    for kernel in kernels:
+        for _ in range(3):  # poison the allocator's memory first: unwritten outputs would show garbage
+            torch.full((E, out, inp), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grad_w = module._moe_rewrite_gmm(kernel, a, b, offsets, "wgrad")
+        empty = grad_w[counts == 0]
+        ref = torch.stack([a[s:e].float().t() @ b[s:e].float() for s, e in zip([0, 0, 10, 10, 10, 40, 40, 40], offsets.tolist())])
+        result[kernel] = bool(torch.count_nonzero(empty) == 0 and not torch.isnan(grad_w).any()) and rel(grad_w, ref) < 1e-2
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="seed,moonlight,v3")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--profile", action="store_true", help="also write a kernel-time profile per config")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    work = Path(tempfile.mkdtemp())
+    modeling, configuration = import_patched(rewrite_fixture(work / "patched_bench"), "patched_bench")
+    has_gg = modeling._moe_rewrite_grouped_gemm() is not None
+    kernels = ["torch"] + (["grouped_gemm"] if has_gg else [])
+    empty_ok = check_empty_experts(modeling, kernels)
+    print("empty-expert wgrad exactly zero and correct:", empty_ok, flush=True)
+    rate = matmul_tflops()
+    print(f"bf16 matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
+
+    rows, notes = [], []
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        torch.manual_seed(0)
+        config = configuration.DeepseekV3Config(
+            hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], n_routed_experts=cfg["E"],
+            num_experts_per_tok=cfg["k"], n_shared_experts=None, n_group=1, topk_group=1, hidden_act="silu",
+        )
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            moe = modeling.DeepseekV3MoE(config).train()
+        torch.set_default_dtype(default_dtype)
+        data = routings(cfg, "cuda", seed=1)
+        flops = 18 * cfg["N"] * cfg["k"] * cfg["H"] * cfg["I"]
+        reps = args.reps if name != "v3" else max(3, args.reps // 4)
+
+        impls = [("naive-loop", lambda x, i, w: naive_loop(moe, x, i, w), {})]
+        impls.append(("moe-rewrite", lambda x, i, w: moe_rewrite(moe, x, i, w), {}))
+        for kernel in kernels:
+            for stacking in ("stack", "sequential"):
+                impls.append((f"moe-rewrite[{kernel},{stacking}]", lambda x, i, w: moe_rewrite(moe, x, i, w),
+                              {"MOE_REWRITE_BACKEND": kernel, "stacking": stacking}))
+        impls.append(("transformers-grouped_mm", None, {}))
+
+        ref = None
+        peer = None
+        for impl, fn, env in impls:
+            if impl == "transformers-grouped_mm":
+                peer, what = build_peer(cfg, moe)
+                notes.append(f"{name}: transformers-grouped_mm = {what}")
+                fn = lambda x, i, w: peer(x, i, w.to(x.dtype))  # noqa: E731
+            os.environ.pop("MOE_REWRITE_BACKEND", None)
+            if "MOE_REWRITE_BACKEND" in env:
+                os.environ["MOE_REWRITE_BACKEND"] = env["MOE_REWRITE_BACKEND"]
+            modeling.MOE_REWRITE_OPTIONS["stacking"] = env.get("stacking", "stack")
+            warm, r = (1, max(2, reps // 5)) if impl == "naive-loop" else (3, reps)
+            t0 = time.time()
+            ms, peak, y, x = run_impl(fn, data, moe, peer, warm, r)
+            if impl == "moe-rewrite":
+                notes.append(f"{name}: moe-rewrite default kernel = {modeling._moe_rewrite_kernel(x)}")
+            grads = grads_of(impl, moe, peer, x)
+            if ref is None:
+                ref = [y] + grads
+                err = 0.0
+            else:
+                err = max(rel(a, b) for a, b in zip([y] + grads, ref))
+            clear_grads(moe, peer, x)
+            row = dict(config=name, impl=impl, ms=round(ms, 3), tflops=round(flops / (ms / 1e3) / 1e12, 1),
+                       frac_matmul=round(flops / (ms / 1e3) / 1e12 / rate, 3), peak_gb=round(peak, 2),
+                       max_rel_err=float(f"{err:.2e}"))
+            rows.append(row)
+            print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
+            if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm"):
+                profile(fn, data, moe, peer, out_dir / f"profile_{name}_{impl}.txt")
+        os.environ.pop("MOE_REWRITE_BACKEND", None)
+        modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
+        del moe, peer, ref, data
+        torch.cuda.empty_cache()
+
+    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                  commit=os.environ.get("BENCH_COMMIT", "unknown"), command=" ".join(sys.argv),
+                  torch=torch.__version__, matmul_tflops=round(rate, 1), empty_expert_wgrad_ok=empty_ok,
+                  notes=notes, rows=rows)
+    (out_dir / "h200.json").write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    for n in notes:
+        print(n)
+    print(f"\n{'config':10} {'impl':40} {'ms':>9} {'TFLOP/s':>8} {'of mm':>6} {'peak GB':>8} {'rel err':>9} {'vs loop':>8} {'vs hf':>6}")
+    for r in rows:
+        loop = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "naive-loop")
+        hf = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "transformers-grouped_mm")
+        print(f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['tflops']:8.1f} {r['frac_matmul']:6.2f} "
+              f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x {hf / r['ms']:5.2f}x")
+
+
+def profile(fn, data, moe, peer, path):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    x, ids, w, g = data[0]
+    for _ in range(2):
+        fn(x.detach().requires_grad_(True), ids, w).backward(g)
+        clear_grads(moe, peer)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn(x.detach().requires_grad_(True), ids, w).backward(g)
+            clear_grads(moe, peer)
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,506 @@
+"""The `moe-rewrite` command as a user sees it: exit codes, what lands on stdout/stderr, and what is (not) written."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import stat
+from functools import lru_cache
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, V2_DIR, V3_DIR, run_cli, snapshot
+from moe_rewrite import __version__, rewrite_source
+
+MODELING = "modeling_deepseek.py"
+LINKED = ("model.safetensors", "model.safetensors.index.json", "tokenizer.json")
+COPIED = ("configuration_deepseek.py", "config.json")
+
+
+# --------------------------------------------------------------------------------------------------------- helpers
+
+
+@lru_cache(maxsize=None)
+def patched_text(form_dir: Path = V3_DIR) -> str:
+    """The stand-in's modeling file rewritten with the default options (computed once: libcst is not fast)."""
+    return rewrite_source((form_dir / MODELING).read_text()).text
+
+
+def make_checkpoint(tmp_path: Path, name: str = "src", form_dir: Path = V3_DIR) -> Path:
+    """A copy of a stand-in checkpoint plus fake weights, weight index and tokenizer."""
+    src = tmp_path / name
+    shutil.copytree(form_dir, src)
+    (src / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    (src / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}\n')
+    (src / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    return src
+
+
+def copy_modeling(tmp_path: Path, name: str = MODELING, form_dir: Path = V3_DIR) -> Path:
+    path = tmp_path / name
+    shutil.copyfile(form_dir / MODELING, path)
+    return path
+
+
+def tree(path: Path) -> tuple[dict[str, bytes], list[str]]:
+    """Every file's bytes (links as their targets) and every directory, even empty ones."""
+    dirs = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_dir() and not p.is_symlink())
+    return snapshot(path), dirs
+
+
+def assert_one_line_error(code: int, out: str, err: str, *mentions: str) -> None:
+    assert code == 2, (code, out, err)
+    assert out == ""
+    assert "Traceback" not in err
+    assert err.startswith("moe-rewrite: error:"), err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for text in mentions:
+        assert text in err, (text, err)
+
+
+def apply_unified_diff(old: str, diff: str) -> str:
+    """Apply a unified diff (as difflib writes it) to `old`; every context and removed line must match."""
+    old_lines = old.splitlines(keepends=True)
+    lines = diff.splitlines(keepends=True)
+    assert lines[0].startswith("--- ") and lines[1].startswith("+++ "), lines[:2]
+    new, pos, i = [], 0, 2
+    while i < len(lines):
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", lines[i])
+        assert m, lines[i]
+        start = int(m.group(1)) - (0 if m.group(2) == "0" else 1)
+        assert start >= pos
+        new += old_lines[pos:start]
+        pos = start
+        i += 1
+        while i < len(lines) and not lines[i].startswith("@@"):
+            tag, text = lines[i][0], lines[i][1:]
+            if tag in " -":
+                assert old_lines[pos] == text, (pos, old_lines[pos], text)
+                pos += 1
+            if tag in " +":
+                new.append(text)
+            assert tag in " -+", lines[i]
+            i += 1
+    return "".join(new + old_lines[pos:])
+
+
+# ------------------------------------------------------------------------------------------------------------ --out
+
+
+def test_out_from_checkpoint_dir(tmp_path):
+    src = make_checkpoint(tmp_path)
+    before = snapshot(src)
+    out = tmp_path / "out"
+
+    code, stdout, err = run_cli(src, "--out", out)
+
+    assert code == 0, err
+    assert stdout == ""
+    assert "Traceback" not in err
+    assert f"-> {out / MODELING}" in err
+    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+    patched = out / MODELING
+    assert patched.is_file() and not patched.is_symlink()
+    text = patched.read_text()
+    assert "def moe_train(" in text
+    assert text == patched_text()
+    for name in COPIED:
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    for name in LINKED:
+        link = out / name
+        assert link.is_symlink(), name
+        assert os.path.isabs(os.readlink(link)), name
+        assert Path(os.readlink(link)) == (src / name).absolute(), name
+        assert link.read_bytes() == (src / name).read_bytes(), name
+    assert snapshot(src) == before
+
+    first = snapshot(out)
+    code, stdout, err = run_cli(src, "--out", out)
+    assert code == 0, err
+    assert stdout == ""
+    assert snapshot(out) == first  # the same files, links and bytes; no leftover temp files
+    assert snapshot(src) == before
+
+
+def test_out_with_relative_paths_links_absolutely(tmp_path, monkeypatch):
+    """Links made from a relative SOURCE still point at the source files from anywhere."""
+    make_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    code, _, err = run_cli("src", "--out", "out")
+
+    assert code == 0, err
+    monkeypatch.chdir("/")
+    for name in LINKED:
+        link = tmp_path / "out" / name
+        assert os.path.isabs(os.readlink(link)), name
+        assert link.resolve() == (tmp_path / "src" / name).resolve(), name
+
+
+def test_out_inside_the_source_dir(tmp_path):
+    """--out SRC/patched must not link the output directory into itself."""
+    src = make_checkpoint(tmp_path)
+    out = src / "patched"
+
+    code, _, err = run_cli(src, "--out", out)
+
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+    assert not (out / "patched").exists() and not (out / "patched").is_symlink()
+
+
+def test_out_from_bare_py_file(tmp_path):
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    path = copy_modeling(src_dir, "modeling_custom.py")
+    shutil.copyfile(V3_DIR / "config.json", src_dir / "config.json")  # a sibling: not part of a bare-file source
+    before = snapshot(src_dir)
+    out = tmp_path / "out"
+
+    code, stdout, err = run_cli(path, "--out", out)
+
+    assert code == 0, err
+    assert stdout == ""
+    assert [p.name for p in out.iterdir()] == ["modeling_custom.py"]
+    written = out / "modeling_custom.py"
+    assert written.is_file() and not written.is_symlink()
+    assert "def moe_train(" in written.read_text()
+    assert snapshot(src_dir) == before
+
+
+# ------------------------------------------------------------------------------------------------------- --in-place
+
+
+def test_in_place(tmp_path):
+    path = copy_modeling(tmp_path)
+    os.chmod(path, 0o750)
+    original = path.read_bytes()
+
+    code, stdout, err = run_cli(path, "--in-place")
+
+    assert code == 1, err
+    assert stdout == ""
+    assert f"Rewriting {path}" in err and "Traceback" not in err
+    once = path.read_bytes()
+    assert once != original and b"def moe_train(" in once
+    assert once.decode() == patched_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    assert [p.name for p in tmp_path.iterdir()] == [MODELING]  # no temp file left behind
+
+    code, stdout, err = run_cli(path, "--in-place")
+
+    assert code == 0, err
+    assert (stdout, err) == ("", "")
+    assert path.read_bytes() == once
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+
+
+def test_in_place_on_a_checkpoint_dir(tmp_path):
+    src = make_checkpoint(tmp_path)
+    before = snapshot(src)
+
+    code, _, err = run_cli(src, "--in-place")
+
+    assert code == 1, err
+    after = snapshot(src)
+    assert after.pop(MODELING) != before.pop(MODELING)
+    assert after == before  # only the modeling file changed
+
+
+def test_in_place_several_files(tmp_path):
+    v3 = copy_modeling(tmp_path, "v3.py")
+    v2 = copy_modeling(tmp_path, "v2.py", form_dir=V2_DIR)
+    done = tmp_path / "done.py"
+    done.write_text(patched_text())
+    done_bytes = done.read_bytes()
+
+    code, _, err = run_cli(v3, v2, done, "--in-place")
+
+    assert code == 1, err
+    assert b"def moe_train(" in v3.read_bytes() and b"def moe_train(" in v2.read_bytes()
+    assert done.read_bytes() == done_bytes
+    assert f"Rewriting {v3}" in err and f"Rewriting {v2}" in err and str(done) not in err
+
+
+def test_crlf_in_place_stays_crlf(tmp_path):
+    path = tmp_path / MODELING
+    lf = (V3_DIR / MODELING).read_bytes()
+    assert b"\r" not in lf
+    path.write_bytes(lf.replace(b"\n", b"\r\n"))
+
+    code, _, err = run_cli(path, "--in-place")
+
+    assert code == 1, err
+    data = path.read_bytes()
+    assert b"def moe_train(" in data
+    assert data.count(b"\n") == data.count(b"\r\n")  # every line ends CRLF, the generated ones too
+    assert b"\r\r" not in data
+    assert data == patched_text().replace("\n", "\r\n").encode()
+
+    code, _, err = run_cli(path, "--in-place")
+    assert (code, err) == (0, "")
+    assert path.read_bytes() == data
+
+
+# --------------------------------------------------------------------------------------------------- --check, --diff
+
+
+def test_check(tmp_path):
+    path = copy_modeling(tmp_path)
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(path, "--check")
+
+    assert code == 1
+    assert stdout == ""
+    assert err.startswith(f"would rewrite {path} (V3 form")
+    assert err.count("\n") == 1
+    assert tree(tmp_path) == before
+
+    path.write_text(patched_text())
+    before = tree(tmp_path)
+    assert run_cli(path, "--check") == (0, "", "")
+    assert tree(tmp_path) == before
+
+
+def test_diff(tmp_path):
+    path = copy_modeling(tmp_path)
+    original = path.read_text()
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(path, "--diff")
+
+    assert code == 1, err
+    assert "Traceback" not in err
+    posix = path.as_posix().lstrip("/")
+    assert stdout.startswith(f"--- a/{posix}\n+++ b/{posix}\n@@ ")
+    assert "\n+    def moe_train(" in stdout
+    assert "\n-            assert not self.training" in stdout
+    assert tree(tmp_path) == before
+    expected = patched_text()
+    assert apply_unified_diff(original, stdout) == expected
+
+    path.write_text(expected)
+    assert run_cli(path, "--diff") == (0, "", "")
+
+
+# ----------------------------------------------------------------------------------------------------------- errors
+
+
+def _missing_dir(t):
+    return [t / "missing", "--out", t / "out"], [str(t / "missing")]
+
+
+def _missing_py(t):
+    return [t / "missing.py", "--check"], [str(t / "missing.py")]
+
+
+def _dir_without_modeling(t):
+    (t / "ckpt").mkdir()
+    shutil.copyfile(V3_DIR / "config.json", t / "ckpt" / "config.json")
+    return [t / "ckpt", "--out", t / "out"], [str(t / "ckpt"), MODELING]
+
+
+def _not_moe(t):
+    (t / "other.py").write_text("import torch\n\n\nclass Foo(torch.nn.Module):\n    def forward(self, x):\n        return x\n")
+    return [t / "other.py", "--in-place"], [str(t / "other.py")]
+
+
+def _syntax_error(t):
+    (t / "broken.py").write_text("def f(:\n    pass\n")
+    return [t / "broken.py", "--in-place"], [str(t / "broken.py"), "syntax error"]
+
+
+def _not_utf8(t):
+    (t / "latin1.py").write_bytes(b"# caf\xe9\n")
+    return [t / "latin1.py", "--in-place"], [str(t / "latin1.py")]
+
+
+def _not_py(t):
+    (t / "notes.txt").write_text("hello\n")
+    return [t / "notes.txt", "--check"], [str(t / "notes.txt")]
+
+
+def _out_and_in_place(t):
+    return [make_checkpoint(t), "--out", t / "out", "--in-place"], ["--out", "--in-place"]
+
+
+def _check_and_out(t):
+    return [make_checkpoint(t), "--check", "--out", t / "out"], ["--out"]
+
+
+def _no_mode(t):
+    return [make_checkpoint(t)], ["--out"]
+
+
+def _no_source(t):
+    return ["--check"], ["SOURCE"]
+
+
+def _out_is_source_dir(t):
+    src = make_checkpoint(t)
+    return [src, "--out", src], [str(src)]
+
+
+def _out_is_source_files_dir(t):
+    path = copy_modeling(t)
+    return [path, "--out", t], [str(t)]
+
+
+def _out_is_a_file(t):
+    src = make_checkpoint(t)
+    (t / "out").write_text("not a directory\n")
+    return [src, "--out", t / "out"], [str(t / "out")]
+
+
+def _out_with_two_sources(t):
+    return [copy_modeling(t, "a.py"), copy_modeling(t, "b.py"), "--out", t / "out"], ["--out"]
+
+
+def _in_place_second_bad(t):
+    (t / "bad.py").write_text("x = 1\n")
+    return [copy_modeling(t, "good.py"), t / "bad.py", "--in-place"], [str(t / "bad.py")]
+
+
+def _in_place_second_missing(t):
+    return [copy_modeling(t, "good.py"), t / "gone.py", "--in-place"], [str(t / "gone.py")]
+
+
+def _in_place_hub_id(t):
+    return ["nobody/nothing", "--in-place"], ["nobody/nothing", "in place", "--out"]
+
+
+def _unknown_backend(t):
+    return [make_checkpoint(t), "--out", t / "out", "--backend", "cutlass"], ["--backend", "cutlass"]
+
+
+def _unknown_stacking(t):
+    return [copy_modeling(t), "--in-place", "--stacking", "diagonal"], ["--stacking", "diagonal"]
+
+
+def _unknown_option(t):
+    return [copy_modeling(t), "--in-place", "--fast"], ["--fast"]
+
+
+ERROR_CASES = [
+    _missing_dir,
+    _missing_py,
+    _dir_without_modeling,
+    _not_moe,
+    _syntax_error,
+    _not_utf8,
+    _not_py,
+    _out_and_in_place,
+    _check_and_out,
+    _no_mode,
+    _no_source,
+    _out_is_source_dir,
+    _out_is_source_files_dir,
+    _out_is_a_file,
+    _out_with_two_sources,
+    _in_place_second_bad,
+    _in_place_second_missing,
+    _in_place_hub_id,
+    _unknown_backend,
+    _unknown_stacking,
+    _unknown_option,
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda f: f.__name__.lstrip("_"))
+def test_error_exits_2_with_one_line_and_writes_nothing(tmp_path, case):
+    args, mentions = case(tmp_path)
+    out_existed = (tmp_path / "out").exists()
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(*args)
+
+    assert_one_line_error(code, stdout, err, *mentions)
+    assert tree(tmp_path) == before
+    assert (tmp_path / "out").exists() == out_existed
+
+
+# ---------------------------------------------------------------------------------------------- options, version
+
+
+def test_backend_and_stacking_are_written_and_regenerated(tmp_path):
+    path = copy_modeling(tmp_path)
+    default = patched_text()
+
+    code, _, err = run_cli(path, "--in-place", "--backend", "loop", "--stacking", "sequential")
+
+    assert code == 1, err
+    assert "backend=loop, stacking=sequential" in err
+    text = path.read_text()
+    options = re.findall(r"^MOE_REWRITE_OPTIONS = (.*)$", text, re.M)
+    assert len(options) == 1
+    assert '"backend": "loop"' in options[0] and '"stacking": "sequential"' in options[0]
+    assert text.count("def moe_train(") == 1
+
+    code, _, err = run_cli(path, "--in-place")
+
+    assert code == 1, err
+    assert "backend=auto, stacking=stack" in err
+    text = path.read_text()
+    assert text == default
+    (options,) = re.findall(r"^MOE_REWRITE_OPTIONS = (.*)$", text, re.M)
+    assert '"backend": "auto"' in options and '"stacking": "stack"' in options
+
+
+def test_version():
+    code, stdout, err = run_cli("--version")
+    assert code == 0
+    assert stdout.strip() == f"moe-rewrite, version {__version__}"
+    assert err == ""
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help(flag):
+    code, stdout, err = run_cli(flag)
+    assert code == 0
+    assert err == ""
+    assert stdout.startswith("Usage: moe-rewrite [OPTIONS] SOURCE...")
+    for option in ("--out", "--in-place", "--check", "--diff", "--revision", "--backend", "--stacking"):
+        assert option in stdout, option
+
+
+# -------------------------------------------------------------------------------------------- python -m moe_rewrite
+
+
+def run_module(*args, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **env_vars}
+    return subprocess.run(
+        [sys.executable, "-m", "moe_rewrite", *map(str, args)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_unknown_repo_offline(tmp_path):
+    """Not a path, so a Hub repo id; offline and not cached. A fresh process, so that huggingface_hub reads this
+    environment (in-process, it may have been imported before conftest pointed HF_HUB_CACHE at a temp dir)."""
+    (tmp_path / "empty_cache").mkdir()
+    proc = run_module("nobody/nothing", "--out", tmp_path / "out", HF_HUB_CACHE=str(tmp_path / "empty_cache"))
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "nobody/nothing", "cache", "offline")
+    assert [p.name for p in tmp_path.rglob("*")] == ["empty_cache"]
+
+
+def test_python_m_error(tmp_path):
+    proc = run_module(tmp_path / "missing.py", "--in-place")
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, str(tmp_path / "missing.py"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_m_success(tmp_path):
+    out = tmp_path / "out"
+    proc = run_module(V3_DIR, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert "def moe_train(" in (out / MODELING).read_text()
+    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED))
