@@ -93,11 +93,9 @@ def _moe_rewrite_stack(weights, parts):
         for i, w in enumerate(weights)
     ):
         return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base)
-    stacked = first.new_empty((experts, parts, rows, cols))
-    torch._foreach_copy_(
-        [stacked[i % experts, i // experts] for i in range(len(weights))], list(weights)
-    )
-    return stacked.view(experts, parts * rows, cols)
+    # Interleaved as (expert, part), one stack lays them out exactly as (E, parts * out, in).
+    interleaved = [weights[p * experts + e] for e in range(experts) for p in range(parts)]
+    return torch.stack(interleaved).view(experts, parts * rows, cols)
 
 
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
@@ -132,10 +130,45 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         return (grad_x, None, None, None, None, *grad_weights)
 
 
+def _moe_rewrite_expert_weights(experts):
+    """The experts' gate, up and down weights as three lists, or None when an expert is not three plain nn.Linear
+    layers (LoRA adapters, quantized layers): those run through the per-expert loop, which calls them as modules.
+    """
+    first = experts[0]._modules
+    if any(type(first.get(name)) is not torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    # Plain dict lookups: nn.Module.__getattr__ would cost about a microsecond each, 6 * E times per layer and step.
+    return tuple(
+        [e._modules[name]._parameters["weight"] for e in experts] for name in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
 def _moe_rewrite_combine(y, topk_ids, topk_weight):
-    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights)."""
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
+
+    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
+    """
     dtype = torch.promote_types(y.dtype, topk_weight.dtype)
-    return (y.view(*topk_ids.shape, -1).to(dtype) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+    return (y.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+class _MoeRewriteGather(torch.autograd.Function):
+    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
+
+    Backward un-sorts the row gradients (a permutation, no atomics) and sums each token's top_k rows: deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):

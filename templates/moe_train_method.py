@@ -14,32 +14,23 @@ class MoE:
         if self.ep_size > 1:
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
         kernel = _moe_rewrite_kernel(x)
-        if kernel == "loop":
+        weights = _moe_rewrite_expert_weights(self.experts) if kernel != "loop" else None
+        if weights is None:
             return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-        experts = list(self.experts)
+        gate_w, up_w, down_w = weights
         flat_ids = topk_ids.reshape(-1)
         # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
         order = flat_ids.argsort(stable=True)
         # Cumulative row counts per expert, computed on the device: no host sync.
         offsets = torch.searchsorted(
-            flat_ids[order], torch.arange(len(experts), device=flat_ids.device), right=True
+            flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
         ).to(torch.int32)
-        rows = x[order // topk_ids.shape[1]]
+        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
         keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack"
-        gate_up = _MoeRewriteGroupedLinear.apply(
-            rows,
-            offsets,
-            kernel,
-            keep_stacked,
-            2,
-            *[e.gate_proj.weight for e in experts],
-            *[e.up_proj.weight for e in experts],
-        )
+        gate_up = _MoeRewriteGroupedLinear.apply(rows, offsets, kernel, keep_stacked, 2, *gate_w, *up_w)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = experts[0].act_fn(gate) * up
-        out = _MoeRewriteGroupedLinear.apply(
-            hidden, offsets, kernel, keep_stacked, 1, *[e.down_proj.weight for e in experts]
-        )
+        hidden = self.experts[0].act_fn(gate) * up
+        out = _MoeRewriteGroupedLinear.apply(hidden, offsets, kernel, keep_stacked, 1, *down_w)
         # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
         out = torch.empty_like(out).index_copy(0, order, out)
         return _moe_rewrite_combine(out, topk_ids, topk_weight)

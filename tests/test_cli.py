@@ -14,36 +14,41 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, V2_DIR, V3_DIR, run_cli, snapshot
+from conftest import ROOT, V3_DIR, run_cli, snapshot
 from moe_rewrite import __version__, rewrite_source
 
 MODELING = "modeling_deepseek.py"
 LINKED = ("model.safetensors", "model.safetensors.index.json", "tokenizer.json")
 COPIED = ("configuration_deepseek.py", "config.json")
+# Small MoE snippets (tests/pairs) where the content is not the point: libcst needs ~0.5 s for a whole stand-in file.
+SMALL_V3 = ROOT / "tests" / "pairs" / "v3_basic.in.py"
+SMALL_V2 = ROOT / "tests" / "pairs" / "v2_basic.in.py"
 
 
 # --------------------------------------------------------------------------------------------------------- helpers
 
 
 @lru_cache(maxsize=None)
-def patched_text(form_dir: Path = V3_DIR) -> str:
-    """The stand-in's modeling file rewritten with the default options (computed once: libcst is not fast)."""
-    return rewrite_source((form_dir / MODELING).read_text()).text
+def patched_text(source: Path = V3_DIR / MODELING) -> str:
+    """A modeling file rewritten with the default options (computed once: libcst is not fast)."""
+    return rewrite_source(source.read_text()).text
 
 
-def make_checkpoint(tmp_path: Path, name: str = "src", form_dir: Path = V3_DIR) -> Path:
-    """A copy of a stand-in checkpoint plus fake weights, weight index and tokenizer."""
+def make_checkpoint(tmp_path: Path, name: str = "src", small: bool = False) -> Path:
+    """A copy of the V3 stand-in checkpoint plus fake weights, weight index and tokenizer."""
     src = tmp_path / name
-    shutil.copytree(form_dir, src)
+    shutil.copytree(V3_DIR, src)
+    if small:
+        shutil.copyfile(SMALL_V3, src / MODELING)
     (src / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
     (src / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}\n')
     (src / "tokenizer.json").write_text('{"version": "1.0"}\n')
     return src
 
 
-def copy_modeling(tmp_path: Path, name: str = MODELING, form_dir: Path = V3_DIR) -> Path:
+def copy_modeling(tmp_path: Path, name: str = MODELING, source: Path = V3_DIR / MODELING) -> Path:
     path = tmp_path / name
-    shutil.copyfile(form_dir / MODELING, path)
+    shutil.copyfile(source, path)
     return path
 
 
@@ -158,7 +163,7 @@ def test_out_inside_the_source_dir(tmp_path):
 def test_out_from_bare_py_file(tmp_path):
     src_dir = tmp_path / "src"
     src_dir.mkdir()
-    path = copy_modeling(src_dir, "modeling_custom.py")
+    path = copy_modeling(src_dir, "modeling_custom.py", SMALL_V3)
     shutil.copyfile(V3_DIR / "config.json", src_dir / "config.json")  # a sibling: not part of a bare-file source
     before = snapshot(src_dir)
     out = tmp_path / "out"
@@ -214,16 +219,17 @@ def test_in_place_on_a_checkpoint_dir(tmp_path):
 
 
 def test_in_place_several_files(tmp_path):
-    v3 = copy_modeling(tmp_path, "v3.py")
-    v2 = copy_modeling(tmp_path, "v2.py", form_dir=V2_DIR)
+    v3 = copy_modeling(tmp_path, "v3.py", SMALL_V3)
+    v2 = copy_modeling(tmp_path, "v2.py", SMALL_V2)
     done = tmp_path / "done.py"
-    done.write_text(patched_text())
+    done.write_text(patched_text(SMALL_V3))
     done_bytes = done.read_bytes()
 
     code, _, err = run_cli(v3, v2, done, "--in-place")
 
     assert code == 1, err
-    assert b"def moe_train(" in v3.read_bytes() and b"def moe_train(" in v2.read_bytes()
+    assert v3.read_text() == patched_text(SMALL_V3)
+    assert v2.read_text() == patched_text(SMALL_V2)
     assert done.read_bytes() == done_bytes
     assert f"Rewriting {v3}" in err and f"Rewriting {v2}" in err and str(done) not in err
 
@@ -344,17 +350,17 @@ def _no_source(t):
 
 
 def _out_is_source_dir(t):
-    src = make_checkpoint(t)
+    src = make_checkpoint(t, small=True)
     return [src, "--out", src], [str(src)]
 
 
 def _out_is_source_files_dir(t):
-    path = copy_modeling(t)
+    path = copy_modeling(t, source=SMALL_V3)
     return [path, "--out", t], [str(t)]
 
 
 def _out_is_a_file(t):
-    src = make_checkpoint(t)
+    src = make_checkpoint(t, small=True)
     (t / "out").write_text("not a directory\n")
     return [src, "--out", t / "out"], [str(t / "out")]
 
@@ -365,7 +371,7 @@ def _out_with_two_sources(t):
 
 def _in_place_second_bad(t):
     (t / "bad.py").write_text("x = 1\n")
-    return [copy_modeling(t, "good.py"), t / "bad.py", "--in-place"], [str(t / "bad.py")]
+    return [copy_modeling(t, "good.py", SMALL_V3), t / "bad.py", "--in-place"], [str(t / "bad.py")]
 
 
 def _in_place_second_missing(t):
@@ -481,26 +487,22 @@ def run_module(*args, **env_vars: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_unknown_repo_offline(tmp_path):
+def test_python_m_error_unknown_repo_offline(tmp_path):
     """Not a path, so a Hub repo id; offline and not cached. A fresh process, so that huggingface_hub reads this
-    environment (in-process, it may have been imported before conftest pointed HF_HUB_CACHE at a temp dir)."""
+    environment (in-process, it may have been imported while collecting other test modules, before conftest pointed
+    HF_HUB_CACHE at a temp dir and set HF_HUB_OFFLINE)."""
     (tmp_path / "empty_cache").mkdir()
     proc = run_module("nobody/nothing", "--out", tmp_path / "out", HF_HUB_CACHE=str(tmp_path / "empty_cache"))
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "nobody/nothing", "cache", "offline")
     assert [p.name for p in tmp_path.rglob("*")] == ["empty_cache"]
 
 
-def test_python_m_error(tmp_path):
-    proc = run_module(tmp_path / "missing.py", "--in-place")
-    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, str(tmp_path / "missing.py"))
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_python_m_success(tmp_path):
     out = tmp_path / "out"
-    proc = run_module(V3_DIR, "--out", out)
+    src = make_checkpoint(tmp_path, small=True)
+    proc = run_module(src, "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
-    assert "def moe_train(" in (out / MODELING).read_text()
-    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED))
+    assert (out / MODELING).read_text() == patched_text(SMALL_V3)
+    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))

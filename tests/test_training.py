@@ -256,3 +256,25 @@ def test_expert_parallel_is_refused_clearly(patched, form):
     moe.ep_size = 2
     with pytest.raises(NotImplementedError, match="expert parallelism"):
         moe(torch.randn(1, 3, moe.config.hidden_size))
+
+
+def test_experts_that_are_not_plain_linear_layers_run_through_the_loop(tmp_path_factory):
+    """LoRA-wrapped or quantized projections must be called as modules: the grouped path would read raw weights."""
+
+    class DoubledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    for expert in moe.experts:
+        old = expert.up_proj
+        expert.up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
+        expert.up_proj.weight.data.copy_(old.weight)
+    x = torch.randn(7, moe.config.hidden_size)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(7)])
+    w = torch.rand(7, 2)
+    expected = torch.zeros(7, moe.config.hidden_size)
+    for t in range(7):
+        for j in range(2):
+            expected[t] += w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0]
+    assert rel_err(moe.moe_train(x, ids, w), expected) < REL

@@ -1,0 +1,258 @@
+"""Hub repo ids as SOURCE, through the real huggingface_hub client and no network: a Hub cache laid out as
+huggingface_hub lays it out (refs/, snapshots/ of links into blobs/), read with HF_HUB_OFFLINE=1.
+
+The command runs in another process, never in the pytest one: huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE
+when it is imported, and in a full test run another test module imports it (through transformers) while pytest
+collects, before conftest points them at the temp cache. A process started here sees exactly the environment given.
+Most runs go to one long-lived worker process (`cli` fixture) that calls moe_rewrite.cli.main, as the
+in-process `run_cli` does, to pay for the imports once; a few run `python -m moe_rewrite` itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, V2_DIR, V3_DIR, snapshot
+
+MODELING = "modeling_deepseek.py"
+CODE_FILES = ("config.json", "configuration_deepseek.py", MODELING)
+REPO = "deepseek-ai/DeepSeek-V3-standin"
+NO_CODE_REPO = "deepseek-ai/config-only"
+MAIN_COMMIT = hashlib.sha1(b"main").hexdigest()
+V2_COMMIT = hashlib.sha1(b"v2").hexdigest()
+WEIGHT_SIZE = 4 << 30  # a sparse 4 GiB "weight": copying or reading it would show
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def add_snapshot(repo_dir: Path, commit: str, files: dict[str, bytes], weight: bool = True) -> Path:
+    """snapshots/<commit>/<name> -> ../../blobs/<id>, as huggingface_hub stores downloads."""
+    blobs, snap = repo_dir / "blobs", repo_dir / "snapshots" / commit
+    blobs.mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    entries = {name: (git_blob_id(data), data) for name, data in files.items()}
+    if weight:  # LFS files are stored under their sha256
+        entries["model.safetensors"] = (hashlib.sha256(commit.encode()).hexdigest(), None)
+    for name, (blob_id, data) in entries.items():
+        blob = blobs / blob_id
+        if data is None:
+            with open(blob, "wb") as f:
+                f.truncate(WEIGHT_SIZE)
+        else:
+            blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / name)
+    return snap
+
+
+def set_ref(repo_dir: Path, ref: str, commit: str) -> None:
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+
+
+def repo_dir_of(repo_id: str) -> Path:
+    return Path(os.environ["HF_HUB_CACHE"]) / ("models--" + repo_id.replace("/", "--"))
+
+
+def files_of(form_dir: Path) -> dict[str, bytes]:
+    data = {name: (form_dir / name).read_bytes() for name in CODE_FILES}
+    data["model.safetensors.index.json"] = b'{"metadata": {"total_size": 4294967296}, "weight_map": {}}\n'
+    return data
+
+
+@pytest.fixture(scope="module")
+def hub_cache():
+    """The cache under conftest's HF_HUB_CACHE: REPO at main (V3) and at branch v2 (V2); NO_CODE_REPO has no code."""
+    repo = repo_dir_of(REPO)
+    add_snapshot(repo, MAIN_COMMIT, files_of(V3_DIR))
+    add_snapshot(repo, V2_COMMIT, files_of(V2_DIR))
+    set_ref(repo, "main", MAIN_COMMIT)
+    set_ref(repo, "v2", V2_COMMIT)
+    no_code = repo_dir_of(NO_CODE_REPO)
+    add_snapshot(no_code, MAIN_COMMIT, {"config.json": b'{"model_type": "deepseek_v3"}\n'}, weight=False)
+    set_ref(no_code, "main", MAIN_COMMIT)
+    return Path(os.environ["HF_HUB_CACHE"])
+
+
+def cache_state(cache: Path) -> dict[str, object]:
+    """Every entry of the cache: links with their targets, small files with their bytes, the weight by size/mtime."""
+    state = {}
+    for p in sorted(cache.rglob("*")):
+        key = str(p.relative_to(cache))
+        if p.is_symlink():
+            state[key] = os.readlink(p)
+        elif p.is_dir():
+            state[key] = "dir"
+        else:
+            st = p.stat()
+            state[key] = (st.st_size, st.st_mtime_ns, p.read_bytes() if st.st_size < WEIGHT_SIZE else None)
+    return state
+
+
+def hub_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_CACHE": os.environ["HF_HUB_CACHE"], "HF_HUB_OFFLINE": "1"}
+
+
+def run_module(*args) -> tuple[int, str, str]:
+    """`python -m moe_rewrite ARGS` in a fresh process: (exit code, stdout, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rewrite", *map(str, args)],
+        cwd=ROOT, env=hub_env(), capture_output=True, text=True, timeout=120,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+WORKER = r"""
+import io, json, sys, traceback
+from contextlib import redirect_stderr, redirect_stdout
+from moe_rewrite.cli import main
+for line in sys.stdin:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(json.loads(line))
+        except BaseException:
+            code = -1
+            traceback.print_exc()
+    print(json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def cli(hub_cache):
+    """run(*args) -> (exit code, stdout, stderr) of the command, in one worker process with the Hub environment."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER], cwd=ROOT, env=hub_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def run(*args) -> tuple[int, str, str]:
+        worker.stdin.write(json.dumps([str(a) for a in args]) + "\n")
+        worker.stdin.flush()
+        reply = worker.stdout.readline()
+        assert reply, f"the worker process died (exit code {worker.poll()})"
+        return tuple(json.loads(reply))
+
+    yield run
+    worker.stdin.close()
+    worker.wait(timeout=30)
+
+
+def assert_one_line_error(result: tuple[int, str, str], *mentions: str) -> None:
+    code, out, err = result
+    assert code == 2, result
+    assert out == ""
+    assert "Traceback" not in err
+    assert err.startswith("moe-rewrite: error:"), err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for text in mentions:
+        assert text in err, (text, err)
+
+
+def assert_code_only_checkpoint(out: Path, form_dir: Path) -> str:
+    """out holds the patched modeling file and copies (not links into the cache) of the code/config files only."""
+    assert sorted(p.name for p in out.iterdir()) == sorted(CODE_FILES)
+    for p in out.iterdir():
+        assert p.is_file() and not p.is_symlink(), p
+    for name in ("config.json", "configuration_deepseek.py"):
+        assert (out / name).read_bytes() == (form_dir / name).read_bytes(), name
+    return (out / MODELING).read_text()
+
+
+def test_out_from_hub_repo(tmp_path, hub_cache):
+    """The real command, in its own process."""
+    before = cache_state(hub_cache)
+    out = tmp_path / "out"
+
+    code, stdout, err = run_module(REPO, "--out", out)
+
+    assert code == 0, err
+    assert stdout == ""
+    assert "Traceback" not in err
+    assert f"snapshots/{MAIN_COMMIT}/{MODELING}" in err  # the snapshot refs/main points at
+    text = assert_code_only_checkpoint(out, V3_DIR)
+    assert "class DeepseekV3MoE" in text and "def moe_train(" in text
+    assert not (out / "model.safetensors").exists() and not (out / "model.safetensors").is_symlink()
+    assert cache_state(hub_cache) == before  # the cached files (shared blobs) are left as they were
+
+
+def test_out_again_gives_the_same_files(tmp_path, cli):
+    out = tmp_path / "out"
+    assert cli(REPO, "--out", out)[0] == 0
+    first = snapshot(out)
+
+    code, stdout, err = cli(REPO, "--out", out)
+
+    assert code == 0, err
+    assert stdout == ""
+    assert snapshot(out) == first
+
+
+def test_revision_branch(tmp_path, hub_cache, cli):
+    before = cache_state(hub_cache)
+    out = tmp_path / "out"
+
+    code, _, err = cli(REPO, "--revision", "v2", "--out", out)
+
+    assert code == 0, err
+    assert f"snapshots/{V2_COMMIT}/{MODELING}" in err
+    assert "V2 form" in err
+    text = assert_code_only_checkpoint(out, V2_DIR)
+    assert "class DeepseekV2MoE" in text and "def moe_train(" in text
+    assert "class DeepseekV3MoE" not in text
+    assert cache_state(hub_cache) == before
+
+
+def test_revision_commit_hash(cli):
+    code, _, err = cli(REPO, "--revision", V2_COMMIT, "--check")
+    assert code == 1, err
+    assert f"would rewrite {repo_dir_of(REPO)}/snapshots/{V2_COMMIT}/{MODELING} (V2 form" in err
+
+
+def test_check_on_hub_repo(hub_cache, cli):
+    before = cache_state(hub_cache)
+
+    code, stdout, err = cli(REPO, "--check")
+
+    assert code == 1, err
+    assert stdout == ""
+    assert err.startswith(f"would rewrite {repo_dir_of(REPO)}/snapshots/{MAIN_COMMIT}/{MODELING} (V3 form")
+    assert err.count("\n") == 1
+    assert cache_state(hub_cache) == before
+
+
+def test_error_in_its_own_process(tmp_path, hub_cache):
+    """What a user sees on the terminal: one line, whatever huggingface_hub logs or warns on the way."""
+    assert_one_line_error(run_module(REPO, "--revision", "no-such-branch", "--out", tmp_path / "out"), REPO)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, mentions",
+    [
+        (["nobody/nothing", "--out", "OUT"], ["nobody/nothing", "cache", "offline"]),
+        ([REPO, "--revision", "no-such-branch", "--out", "OUT"], [f"{REPO}@no-such-branch", "cache", "offline"]),
+        ([REPO, "--revision", "f" * 40, "--out", "OUT"], [f"{REPO}@{'f' * 40}", "cache", "offline"]),
+        ([NO_CODE_REPO, "--out", "OUT"], [NO_CODE_REPO, MODELING, "repository"]),
+        ([REPO, "--in-place"], [REPO, "in place"]),
+    ],
+    ids=["repo-not-cached", "branch-not-cached", "commit-not-cached", "no-modeling-file", "in-place"],
+)
+def test_hub_errors(tmp_path, hub_cache, cli, args, mentions):
+    before = cache_state(hub_cache)
+    out = tmp_path / "out"
+
+    result = cli(*(out if a == "OUT" else a for a in args))
+
+    assert_one_line_error(result, *mentions)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+    assert cache_state(hub_cache) == before
