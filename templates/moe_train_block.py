@@ -110,23 +110,26 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offsets, kernel, keep_stacked, parts, *weights):
         stacked = _moe_rewrite_stack(weights, parts)
         ctx.kernel, ctx.parts, ctx.keep_stacked = kernel, parts, keep_stacked
-        ctx.save_for_backward(x, offsets, stacked if keep_stacked else None, *weights)
+        # "stack" keeps the stacked copy for backward; "sequential" keeps only the weights and stacks them again there.
+        ctx.save_for_backward(x, offsets, *((stacked,) if keep_stacked else weights))
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, stacked, *weights = ctx.saved_tensors
+        x, offsets, *saved = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if stacked is None:
-                stacked = _moe_rewrite_stack(weights, ctx.parts)
+            stacked = saved[0] if ctx.keep_stacked else _moe_rewrite_stack(saved, ctx.parts)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
-        grad_weights = [None] * len(weights)
+            del stacked  # a re-stacked copy is freed before the weight gradients are allocated
+        count = len(ctx.needs_input_grad) - 5
+        grad_weights = (None,) * count
         if any(ctx.needs_input_grad[5:]):
             grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad")
-            experts = len(weights) // ctx.parts
-            grad_weights = [g for part in grad_w.view(experts, ctx.parts, *weights[0].shape).unbind(1) for g in part]
+            experts = count // ctx.parts
+            per_part = grad_w.view(experts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
+            grad_weights = tuple(g for part in per_part for g in part.unbind(0))
         return (grad_x, None, None, None, None, *grad_weights)
 
 
@@ -138,8 +141,13 @@ def _moe_rewrite_expert_weights(experts):
     if any(type(first.get(name)) is not torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
         return None
     # Plain dict lookups: nn.Module.__getattr__ would cost about a microsecond each, 6 * E times per layer and step.
+    # FSDP without use_orig_params sets the weight as a plain tensor attribute instead of a parameter.
     return tuple(
-        [e._modules[name]._parameters["weight"] for e in experts] for name in ("gate_proj", "up_proj", "down_proj")
+        [
+            m._parameters["weight"] if "weight" in m._parameters else m.weight
+            for m in (e._modules[name] for e in experts)
+        ]
+        for name in ("gate_proj", "up_proj", "down_proj")
     )
 
 

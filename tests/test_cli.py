@@ -7,9 +7,9 @@ import random
 import re
 import shutil
 import stat
-from functools import lru_cache
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -314,7 +314,9 @@ def _dir_without_modeling(t):
 
 
 def _not_moe(t):
-    (t / "other.py").write_text("import torch\n\n\nclass Foo(torch.nn.Module):\n    def forward(self, x):\n        return x\n")
+    (t / "other.py").write_text(
+        "import torch\n\n\nclass Foo(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
+    )
     return [t / "other.py", "--in-place"], [str(t / "other.py")]
 
 
