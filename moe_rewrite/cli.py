@@ -90,7 +90,8 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         if check:
             click.echo(f"would rewrite {path} ({_describe(result, options)})", err=True)
         if in_place:
-            publish.write_atomic(path, result.text.encode("utf-8"), mode_from=path)
+            # A vendored file may be a symlink: rewrite the file it points to and keep the link.
+            publish.write_atomic(path.resolve(), result.text.encode("utf-8"), mode_from=path)
             click.echo(f"Rewriting {path} ({_describe(result, options)})", err=True)
     return changed
 

@@ -66,6 +66,8 @@ def _from_dir(spec: str, root: Path, kind: str) -> Source:
 
 def resolve(spec: str, revision: str | None = None, token: str | None = None) -> Source:
     path = Path(spec)
+    if revision is not None and path.exists():
+        raise RewriteError(f"{spec}: --revision applies to Hub repo ids, not to local paths")
     if path.is_dir():
         return _from_dir(spec, path, "dir")
     if path.is_file():
@@ -79,7 +81,7 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None) ->
 
 def download_code(repo_id: str, revision: str | None, token: str | None) -> Path:
     """The repo's code and config files in the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -98,6 +100,8 @@ def download_code(repo_id: str, revision: str | None, token: str | None) -> Path
                 token=token,
                 allow_patterns=HUB_CODE_PATTERNS,
                 ignore_patterns=HUB_IGNORE_PATTERNS,
+                # huggingface_hub 1.x only blocks HTTP when offline; this makes it answer from the cache, as 0.x does.
+                local_files_only=constants.HF_HUB_OFFLINE,
             )
         )
     except GatedRepoError:

@@ -15,17 +15,21 @@ V2_DIR = FIXTURES / "deepseek_v2"
 FORM_DIRS = {"v3": V3_DIR, "v2": V2_DIR}
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _isolated_hf(tmp_path_factory):
-    """No test touches the network or the user's caches."""
-    home = tmp_path_factory.mktemp("hf_home")
+def _isolate_hf() -> None:
+    """No test touches the network or the user's caches. Set at import time: huggingface_hub and transformers read
+    these variables when they are first imported, which happens while pytest collects the test modules."""
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="moe-rewrite-tests-hf-"))
     os.environ["HF_HOME"] = str(home)
     os.environ["HF_HUB_CACHE"] = str(home / "hub")
     os.environ["HF_MODULES_CACHE"] = str(home / "modules")
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
     os.environ.pop("MOE_REWRITE_BACKEND", None)
-    yield
+
+
+_isolate_hf()
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

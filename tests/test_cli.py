@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, V3_DIR, run_cli, snapshot
+
+PAIRS = ROOT / "tests" / "pairs"
 from moe_rewrite import __version__, rewrite_source
 
 MODELING = "modeling_deepseek.py"
@@ -508,3 +510,23 @@ def test_python_m_success(tmp_path):
     assert "Traceback" not in proc.stderr
     assert (out / MODELING).read_text() == patched_text(SMALL_V3)
     assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+
+
+def test_in_place_through_a_symlink_rewrites_the_target_and_keeps_the_link(tmp_path):
+    target = tmp_path / "vendor" / "modeling_deepseek.py"
+    target.parent.mkdir()
+    target.write_bytes((PAIRS / "v3_basic.in.py").read_bytes())
+    link = tmp_path / "modeling_deepseek.py"
+    link.symlink_to(target)
+    code, _, err = run_cli(link, "--in-place")
+    assert code == 1, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert "def moe_train(" in target.read_text()
+
+
+def test_revision_with_a_local_path_is_refused(tmp_path):
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(PAIRS / "v3_basic.in.py", "--revision", "main", "--check")
+    assert code == 2 and err.count("\n") == 1
+    assert "--revision applies to Hub repo ids" in err
+    assert snapshot(tmp_path) == before

@@ -102,11 +102,9 @@ def _moe_rewrite_stack(weights, parts):
         for i, w in enumerate(weights)
     ):
         return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base)
-    stacked = first.new_empty((experts, parts, rows, cols))
-    torch._foreach_copy_(
-        [stacked[i % experts, i // experts] for i in range(len(weights))], list(weights)
-    )
-    return stacked.view(experts, parts * rows, cols)
+    # Interleaved as (expert, part), one stack lays them out exactly as (E, parts * out, in).
+    interleaved = [weights[p * experts + e] for e in range(experts) for p in range(parts)]
+    return torch.stack(interleaved).view(experts, parts * rows, cols)
 
 
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
@@ -121,30 +119,73 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offsets, kernel, keep_stacked, parts, *weights):
         stacked = _moe_rewrite_stack(weights, parts)
         ctx.kernel, ctx.parts, ctx.keep_stacked = kernel, parts, keep_stacked
-        ctx.save_for_backward(x, offsets, stacked if keep_stacked else None, *weights)
+        # "stack" keeps the stacked copy for backward; "sequential" keeps only the weights and stacks them again there.
+        ctx.save_for_backward(x, offsets, *((stacked,) if keep_stacked else weights))
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, stacked, *weights = ctx.saved_tensors
+        x, offsets, *saved = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if stacked is None:
-                stacked = _moe_rewrite_stack(weights, ctx.parts)
+            stacked = saved[0] if ctx.keep_stacked else _moe_rewrite_stack(saved, ctx.parts)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
-        grad_weights = [None] * len(weights)
+            del stacked  # a re-stacked copy is freed before the weight gradients are allocated
+        count = len(ctx.needs_input_grad) - 5
+        grad_weights = (None,) * count
         if any(ctx.needs_input_grad[5:]):
             grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad")
-            experts = len(weights) // ctx.parts
-            grad_weights = [g for part in grad_w.view(experts, ctx.parts, *weights[0].shape).unbind(1) for g in part]
+            experts = count // ctx.parts
+            per_part = grad_w.view(experts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
+            grad_weights = tuple(g for part in per_part for g in part.unbind(0))
         return (grad_x, None, None, None, None, *grad_weights)
 
 
+def _moe_rewrite_expert_weights(experts):
+    """The experts' gate, up and down weights as three lists, or None when an expert is not three plain nn.Linear
+    layers (LoRA adapters, quantized layers): those run through the per-expert loop, which calls them as modules.
+    """
+    first = experts[0]._modules
+    if any(type(first.get(name)) is not torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    # Plain dict lookups: nn.Module.__getattr__ would cost about a microsecond each, 6 * E times per layer and step.
+    # FSDP without use_orig_params sets the weight as a plain tensor attribute instead of a parameter.
+    return tuple(
+        [
+            m._parameters["weight"] if "weight" in m._parameters else m.weight
+            for m in (e._modules[name] for e in experts)
+        ]
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
 def _moe_rewrite_combine(y, topk_ids, topk_weight):
-    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights)."""
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
+
+    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
+    """
     dtype = torch.promote_types(y.dtype, topk_weight.dtype)
-    return (y.view(*topk_ids.shape, -1).to(dtype) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+    return (y.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+class _MoeRewriteGather(torch.autograd.Function):
+    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
+
+    Backward un-sorts the row gradients (a permutation, no atomics) and sums each token's top_k rows: deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
@@ -187,32 +228,23 @@ class DeepseekV2MoE(nn.Module):
         if self.ep_size > 1:
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
         kernel = _moe_rewrite_kernel(x)
-        if kernel == "loop":
+        weights = _moe_rewrite_expert_weights(self.experts) if kernel != "loop" else None
+        if weights is None:
             return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-        experts = list(self.experts)
+        gate_w, up_w, down_w = weights
         flat_ids = topk_ids.reshape(-1)
         # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
         order = flat_ids.argsort(stable=True)
         # Cumulative row counts per expert, computed on the device: no host sync.
         offsets = torch.searchsorted(
-            flat_ids[order], torch.arange(len(experts), device=flat_ids.device), right=True
+            flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
         ).to(torch.int32)
-        rows = x[order // topk_ids.shape[1]]
+        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
         keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack"
-        gate_up = _MoeRewriteGroupedLinear.apply(
-            rows,
-            offsets,
-            kernel,
-            keep_stacked,
-            2,
-            *[e.gate_proj.weight for e in experts],
-            *[e.up_proj.weight for e in experts],
-        )
+        gate_up = _MoeRewriteGroupedLinear.apply(rows, offsets, kernel, keep_stacked, 2, *gate_w, *up_w)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = experts[0].act_fn(gate) * up
-        out = _MoeRewriteGroupedLinear.apply(
-            hidden, offsets, kernel, keep_stacked, 1, *[e.down_proj.weight for e in experts]
-        )
+        hidden = self.experts[0].act_fn(gate) * up
+        out = _MoeRewriteGroupedLinear.apply(hidden, offsets, kernel, keep_stacked, 1, *down_w)
         # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
         out = torch.empty_like(out).index_copy(0, order, out)
         return _moe_rewrite_combine(out, topk_ids, topk_weight)
