@@ -27,10 +27,10 @@ class MoE:
         ).to(torch.int32)
         rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
         keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack"
-        gate_up = _MoeRewriteGroupedLinear.apply(rows, offsets, kernel, keep_stacked, 2, *gate_w, *up_w)
+        gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_w + up_w, parts=2)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.experts[0].act_fn(gate) * up
-        out = _MoeRewriteGroupedLinear.apply(hidden, offsets, kernel, keep_stacked, 1, *down_w)
+        out = _moe_rewrite_linear(hidden, offsets, kernel, keep_stacked, down_w, parts=1)
         # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
         out = torch.empty_like(out).index_copy(0, order, out)
         return _moe_rewrite_combine(out, topk_ids, topk_weight)

@@ -278,3 +278,58 @@ def test_experts_that_are_not_plain_linear_layers_run_through_the_loop(tmp_path_
         for j in range(2):
             expected[t] += w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0]
     assert rel_err(moe.moe_train(x, ids, w), expected) < REL
+
+
+def _expert_grads(moe):
+    return [getattr(e, p).weight.grad.clone() for e in moe.experts for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def test_direct_weight_gradients_equal_autograd_ones_and_accumulate(tmp_path_factory, monkeypatch):
+    """Backward writes expert weight gradients itself (fewer autograd leaves); it must equal autograd's own path."""
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    module = model_module(moe)
+    x = torch.randn(10, moe.config.hidden_size)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(10)])
+    w = torch.rand(10, 2)
+    probe = torch.randn(10, moe.config.hidden_size)
+    weights = [getattr(e, p).weight for e in moe.experts for p in ("gate_proj", "up_proj", "down_proj")]
+    assert module._moe_rewrite_direct_grads(weights)
+    results = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("MOE_REWRITE_DIRECT_GRADS", mode)
+        moe.zero_grad(set_to_none=True)
+        for _ in range(2):  # two micro-batches: gradients accumulate
+            (moe.moe_train(x, ids, w) * probe).sum().backward()
+        results[mode] = _expert_grads(moe)
+    assert not module._moe_rewrite_direct_grads(weights)  # MOE_REWRITE_DIRECT_GRADS=0
+    for direct, autograd in zip(results["1"], results["0"]):
+        assert torch.equal(direct, autograd)
+    monkeypatch.delenv("MOE_REWRITE_DIRECT_GRADS")
+    moe.zero_grad(set_to_none=True)
+    (moe.moe_train(x, ids, w) * probe).sum().backward()
+    for once, twice in zip(_expert_grads(moe), results["1"]):
+        assert rel_err(twice, 2 * once) < REL
+
+
+def test_hooked_weights_get_their_gradients_through_autograd(tmp_path_factory):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    seen = []
+    moe.experts[0].down_proj.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    ids[:, 1] = 1
+    moe.moe_train(torch.randn(4, moe.config.hidden_size), ids, torch.rand(4, 2)).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], moe.experts[0].down_proj.weight.grad)
+    assert torch.count_nonzero(seen[0]) > 0
+
+
+def test_only_experts_trainable_still_get_gradients(tmp_path_factory):
+    """Inputs that need no gradient: the experts must still be trained (the node keeps one autograd edge)."""
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    x = torch.randn(6, moe.config.hidden_size)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
+    y = moe.moe_train(x, ids, torch.rand(6, 2))
+    assert y.requires_grad
+    y.sum().backward()
+    used = set(ids.flatten().tolist())
+    for i, e in enumerate(moe.experts):
+        assert (torch.count_nonzero(e.gate_proj.weight.grad) > 0) == (i in used)

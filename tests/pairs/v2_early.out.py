@@ -113,33 +113,84 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     The weights are the experts' own nn.Linear parameters (state-dict keys unchanged); `parts` > 1 concatenates
     several projections per expert along the output dim (gate and up in one GEMM). With keep_stacked False the stacked
     copy is rebuilt in backward instead of being kept alive between forward and backward (lower peak memory).
+    `tracked` are the tensors autograd connects this node to: all the weights, or with `direct` one of them (so the
+    output requires grad) while backward writes every weight's gradient itself (see _moe_rewrite_direct_grads).
     """
 
     @staticmethod
-    def forward(ctx, x, offsets, kernel, keep_stacked, parts, *weights):
+    def forward(ctx, x, offsets, kernel, keep_stacked, parts, direct, weights, *tracked):
         stacked = _moe_rewrite_stack(weights, parts)
-        ctx.kernel, ctx.parts, ctx.keep_stacked = kernel, parts, keep_stacked
-        # "stack" keeps the stacked copy for backward; "sequential" keeps only the weights and stacks them again there.
-        ctx.save_for_backward(x, offsets, *((stacked,) if keep_stacked else weights))
+        ctx.kernel, ctx.parts, ctx.keep_stacked, ctx.direct, ctx.weights = kernel, parts, keep_stacked, direct, weights
+        ctx.save_for_backward(x, offsets, stacked if keep_stacked else None)
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, *saved = ctx.saved_tensors
+        x, offsets, stacked = ctx.saved_tensors
+        weights = ctx.weights
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            stacked = saved[0] if ctx.keep_stacked else _moe_rewrite_stack(saved, ctx.parts)
+            if stacked is None:
+                stacked = _moe_rewrite_stack(weights, ctx.parts)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
             del stacked  # a re-stacked copy is freed before the weight gradients are allocated
-        count = len(ctx.needs_input_grad) - 5
-        grad_weights = (None,) * count
-        if any(ctx.needs_input_grad[5:]):
+        count = len(ctx.needs_input_grad) - 7
+        grad_tracked = (None,) * count
+        if any(ctx.needs_input_grad[7:]):
             grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad")
-            experts = count // ctx.parts
-            per_part = grad_w.view(experts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
-            grad_weights = tuple(g for part in per_part for g in part.unbind(0))
-        return (grad_x, None, None, None, None, *grad_weights)
+            per_part = grad_w.view(len(weights) // ctx.parts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
+            grads = [g for part in per_part for g in part.unbind(0)]
+            if ctx.direct:
+                _moe_rewrite_accumulate(weights, grads)
+            else:
+                grad_tracked = tuple(grads)
+        return (grad_x, None, None, None, None, None, None, *grad_tracked)
+
+
+def _moe_rewrite_direct_grads(weights):
+    """Whether backward may write the experts' weight gradients itself rather than hand them to autograd.
+
+    Each autograd leaf costs several microseconds of host time per step (one engine node per expert weight: 384 for
+    128 experts, about 2.5 ms on an H200 host, more than the layer's GPU time; see moe-rewrite's bench/NOTES.md).
+    Only for plain leaf tensors without hooks and outside torch.distributed, whose wrappers (DDP, FSDP, DeepSpeed)
+    hook gradient accumulation; MOE_REWRITE_DIRECT_GRADS=0 turns it off. As with any .grad, gradients accumulate.
+    """
+    import os
+
+    if os.environ.get("MOE_REWRITE_DIRECT_GRADS", "1") == "0":
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return all(
+        w.is_leaf and not w._backward_hooks and getattr(w, "_post_accumulate_grad_hooks", None) is None
+        for w in weights
+    )
+
+
+def _moe_rewrite_accumulate(weights, grads):
+    """w.grad = g, or w.grad += g (one multi-tensor add) where a gradient is already there."""
+    existing, added = [], []
+    for w, g in zip(weights, grads):
+        if not w.requires_grad:
+            continue
+        if w.grad is None:
+            w.grad = g
+        else:
+            existing.append(w.grad)
+            added.append(g)
+    if existing:
+        torch._foreach_add_(existing, added)
+
+
+def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, weights, parts):
+    """_MoeRewriteGroupedLinear over `weights` (part 0 of every expert, then part 1, ...)."""
+    direct = _moe_rewrite_direct_grads(weights)
+    if direct:
+        tracked = [w for w in weights[:1] if w.requires_grad] or [w for w in weights if w.requires_grad][:1]
+    else:
+        tracked = weights
+    return _MoeRewriteGroupedLinear.apply(x, offsets, kernel, keep_stacked, parts, direct, tuple(weights), *tracked)
 
 
 def _moe_rewrite_expert_weights(experts):
@@ -241,10 +292,10 @@ class DeepseekV2MoE(nn.Module):
         ).to(torch.int32)
         rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
         keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack"
-        gate_up = _MoeRewriteGroupedLinear.apply(rows, offsets, kernel, keep_stacked, 2, *gate_w, *up_w)
+        gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_w + up_w, parts=2)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.experts[0].act_fn(gate) * up
-        out = _MoeRewriteGroupedLinear.apply(hidden, offsets, kernel, keep_stacked, 1, *down_w)
+        out = _moe_rewrite_linear(hidden, offsets, kernel, keep_stacked, down_w, parts=1)
         # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
         out = torch.empty_like(out).index_copy(0, order, out)
         return _moe_rewrite_combine(out, topk_ids, topk_weight)
