@@ -7,24 +7,11 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import gate, moe_forward
+from moe_rewrite.codemods import checkpointing, gate, moe_forward
 from moe_rewrite.errors import RewriteError
+from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
-BACKENDS = ("auto", "torch", "grouped_gemm", "loop")
-STACKINGS = ("stack", "sequential")
-
-
-@dataclass(frozen=True)
-class RewriteOptions:
-    backend: str = "auto"
-    stacking: str = "stack"
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise RewriteError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
-        if self.stacking not in STACKINGS:
-            raise RewriteError(f"unknown stacking {self.stacking!r}; choose from {', '.join(STACKINGS)}")
-
+__all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
 @dataclass(frozen=True)
 class RewriteResult:
@@ -41,9 +28,10 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as e:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
-    module, info = moe_forward.transform(module, options.backend, options.stacking)
+    module, info = moe_forward.transform(module, options)
     if info.form == "v3":
         module = gate.transform(module, info.gate_class)
+    module = checkpointing.transform(module, options.gradient_checkpointing)
     new_text = module.code
     return RewriteResult(
         text=new_text,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -9,9 +10,13 @@ import libcst as cst
 from libcst.helpers import parse_template_module
 
 from moe_rewrite import __version__
+from moe_rewrite.options import RewriteOptions
 
 BLOCK_TEMPLATE = "moe_train_block.py"
 METHOD_TEMPLATE = "moe_train_method.py"
+AUX_LOSS_TEMPLATE = "aux_loss_block.py"
+BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
+CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
 
 
 def _template_dir() -> Path:
@@ -35,29 +40,42 @@ def _render(name: str, module: cst.Module, **replacements: cst.BaseExpression) -
     return list(parsed.body)
 
 
-def options_literal(backend: str, stacking: str) -> cst.Dict:
-    text = repr({"version": __version__, "backend": backend, "stacking": stacking}).replace("'", '"')
+def options_literal(options: RewriteOptions) -> cst.Dict:
+    text = json.dumps(options.as_dict(__version__))
     return cst.ensure_type(cst.parse_expression(text), cst.Dict)
 
 
-def banner_lines(moe_class: str, backend: str, stacking: str) -> list[cst.EmptyLine]:
+def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]:
     comments = [
-        f"# ---- moe-rewrite {__version__} (backend={backend}, stacking={stacking}): training path for {moe_class} ----",
+        f"# ---- moe-rewrite {__version__} ({options.describe()}): training path for {moe_class} ----",
         "# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.",
     ]
     return [cst.EmptyLine(), cst.EmptyLine()] + [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]
 
 
-def render_block(module: cst.Module, moe_class: str, backend: str, stacking: str) -> list[cst.BaseStatement]:
-    """The module-level helper block, its first statement carrying the banner."""
-    body = _render(BLOCK_TEMPLATE, module, options=options_literal(backend, stacking))
-    first = body[0]
-    body[0] = first.with_changes(leading_lines=banner_lines(moe_class, backend, stacking))
+def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) -> list[cst.BaseStatement]:
+    """The module-level helper block (with the opt-in sections asked for), its first statement carrying the banner."""
+    body = _render(BLOCK_TEMPLATE, module, options=options_literal(options))
+    if options.aux_loss:
+        body += _render(AUX_LOSS_TEMPLATE, module)
+    if options.gradient_checkpointing:
+        body += _render(CHECKPOINTING_TEMPLATE, module)
+    body[0] = body[0].with_changes(leading_lines=banner_lines(moe_class, options))
     return body
 
 
-def render_moe_train(module: cst.Module) -> cst.FunctionDef:
-    """The `moe_train` method, preceded by one blank line as methods are."""
-    (holder,) = _render(METHOD_TEMPLATE, module)
-    (method,) = cst.ensure_type(holder, cst.ClassDef).body.body
-    return cst.ensure_type(method, cst.FunctionDef).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+def _methods(name: str, module: cst.Module) -> list[cst.FunctionDef]:
+    """The methods of a template's placeholder class, each preceded by one blank line as methods are."""
+    (holder,) = _render(name, module)
+    return [
+        cst.ensure_type(method, cst.FunctionDef).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        for method in cst.ensure_type(holder, cst.ClassDef).body.body
+    ]
+
+
+def render_moe_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
+    """`moe_train`, and the bias-update methods when asked for."""
+    methods = _methods(METHOD_TEMPLATE, module)
+    if options.bias_update is not None:
+        methods += _methods(BIAS_UPDATE_TEMPLATE, module)
+    return methods

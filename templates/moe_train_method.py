@@ -26,7 +26,10 @@ class MoE:
             flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
         ).to(torch.int32)
         rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
-        keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack"
+        # "stack" keeps the stacked weights from forward to backward (fastest), except under torch.distributed, where
+        # the weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
         gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_w + up_w, parts=2)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.experts[0].act_fn(gate) * up

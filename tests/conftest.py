@@ -13,6 +13,7 @@ FIXTURES = ROOT / "fixtures"
 V3_DIR = FIXTURES / "deepseek_v3"
 V2_DIR = FIXTURES / "deepseek_v2"
 FORM_DIRS = {"v3": V3_DIR, "v2": V2_DIR}
+PAIRS = ROOT / "tests" / "pairs"
 
 
 def _isolate_hf() -> None:

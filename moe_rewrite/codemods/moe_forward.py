@@ -40,7 +40,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.errors import RewriteError
-from moe_rewrite.templates import render_block, render_moe_train
+from moe_rewrite.options import RewriteOptions
+from moe_rewrite.templates import render_block, render_moe_methods
 
 DESCRIPTION = "Gives the DeepSeek MoE class a grouped-GEMM training path (moe_train)."
 
@@ -51,6 +52,7 @@ MOE_TRAIN_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_
 SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SELF_GATE_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("gate")))
 GENERATED_PREFIXES = ("MOE_REWRITE_", "_moe_rewrite_", "_MoeRewrite")
+GENERATED_METHODS = ("moe_train", "moe_rewrite_count_load", "moe_rewrite_update_bias")
 
 
 @dataclass
@@ -135,9 +137,24 @@ class _ReplaceMoeInfer(cst.CSTTransformer):
         return cst.Call(func=cst.Attribute(value=train, attr=cst.Name("type")), args=[cst.Arg(dtype)])
 
 
-def _v3_training_else(infer_stmt: cst.SimpleStatementLine) -> cst.Else:
+def _v3_training_else(infer_stmt: cst.SimpleStatementLine, options: RewriteOptions) -> cst.Else:
+    """The training branch: moe_train where eval calls moe_infer, then the opt-in router-training statements."""
     train_stmt = cst.ensure_type(infer_stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine)
-    return cst.Else(body=cst.IndentedBlock(body=[train_stmt.with_changes(leading_lines=[])]))
+    body: list[cst.BaseStatement] = [train_stmt.with_changes(leading_lines=[])]
+    tokens, topk_ids = (a.value for a in _moe_infer_args(infer_stmt)[:2])
+    if options.bias_update is not None:
+        count = cst.Call(
+            func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_rewrite_count_load")), args=[cst.Arg(topk_ids)]
+        )
+        body.append(cst.SimpleStatementLine(body=[cst.Expr(count)]))
+    if options.aux_loss:
+        target = cst.ensure_type(infer_stmt.body[0], cst.Assign).targets[0]
+        attach = cst.Call(
+            func=cst.Name("_moe_rewrite_with_balance_loss"),
+            args=[cst.Arg(cst.Name("self")), cst.Arg(target.target), cst.Arg(tokens), cst.Arg(topk_ids)],
+        )
+        body.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=attach)]))
+    return cst.Else(body=cst.IndentedBlock(body=body))
 
 
 def _rewrite_v2_training_body(body: cst.IndentedBlock, infer_args: list[cst.Arg], where: str) -> cst.IndentedBlock:
@@ -180,7 +197,7 @@ def _name_of(expr: cst.BaseExpression) -> str:
     return expr.value
 
 
-def rewrite_forward(moe: cst.ClassDef) -> tuple[cst.FunctionDef, str]:
+def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.FunctionDef, str]:
     """The MoE forward with its training branch calling moe_train, and the form ("v3" or "v2")."""
     name = moe.name.value
     forward = _methods(moe)["forward"]
@@ -191,9 +208,13 @@ def rewrite_forward(moe: cst.ClassDef) -> tuple[cst.FunctionDef, str]:
         infer_stmt = _single_moe_infer_assign(branch.body, where)
         if branch.orelse is not None and not m.findall(branch.orelse, MOE_TRAIN_CALL):
             raise RewriteError(f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write")
-        new_branch = branch.with_changes(orelse=_v3_training_else(infer_stmt))
+        new_branch = branch.with_changes(orelse=_v3_training_else(infer_stmt, options))
         form = "v3"
     elif arity == 3 and m.matches(branch.test, SELF_TRAINING):
+        if options.aux_loss or options.bias_update is not None:
+            raise RewriteError(
+                f"{where}: --aux-loss and --bias-update apply to the V3 form; this V2-form file trains its own aux loss"
+            )
         if branch.orelse is None:
             raise RewriteError(f"{where}: `if self.training:` has no else branch calling self.moe_infer(...)")
         infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where))
@@ -209,14 +230,14 @@ def rewrite_forward(moe: cst.ClassDef) -> tuple[cst.FunctionDef, str]:
     return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
 
 
-def with_moe_train(moe: cst.ClassDef, forward: cst.FunctionDef, method: cst.FunctionDef) -> cst.ClassDef:
-    """The class with `forward` replaced and `moe_train` right after it (replacing an earlier generated one)."""
+def with_methods(moe: cst.ClassDef, forward: cst.FunctionDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
+    """The class with `forward` replaced and the generated methods right after it (replacing earlier ones)."""
     body: list[cst.BaseStatement] = []
     for stmt in moe.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "moe_train":
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value in GENERATED_METHODS:
             continue
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-            body += [forward, method]
+            body += [forward, *methods]
         else:
             body.append(stmt)
     return moe.with_changes(body=moe.body.with_changes(body=body))
@@ -233,11 +254,11 @@ def _is_generated(stmt: cst.BaseStatement) -> bool:
     return bool(names) and all(n.startswith(GENERATED_PREFIXES) for n in names)
 
 
-def transform(module: cst.Module, backend: str, stacking: str) -> tuple[cst.Module, MoeClassInfo]:
+def transform(module: cst.Module, options: RewriteOptions) -> tuple[cst.Module, MoeClassInfo]:
     moe = find_moe_class(module)
-    forward, form = rewrite_forward(moe)
-    new_moe = with_moe_train(moe, forward, render_moe_train(module))
-    block = render_block(module, moe.name.value, backend, stacking)
+    forward, form = rewrite_forward(moe, options)
+    new_moe = with_methods(moe, forward, render_moe_methods(module, options))
+    block = render_block(module, moe.name.value, options)
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
         if _is_generated(stmt):

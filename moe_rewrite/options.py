@@ -1,0 +1,45 @@
+"""What a rewrite is asked to generate. Written into the patched file (MOE_REWRITE_OPTIONS) and its banner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rewrite.errors import RewriteError
+
+BACKENDS = ("auto", "torch", "grouped_gemm", "loop")
+STACKINGS = ("stack", "sequential")
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    backend: str = "auto"
+    stacking: str = "stack"
+    aux_loss: bool = False  # V3 form: the complementary sequence-wise balance loss, weighted by aux_loss_alpha
+    bias_update: float | None = None  # V3 form: aux-loss-free balancing, bias += RATE * sign(mean load - load)
+    gradient_checkpointing: bool = False  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RewriteError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
+        if self.stacking not in STACKINGS:
+            raise RewriteError(f"unknown stacking {self.stacking!r}; choose from {', '.join(STACKINGS)}")
+        if self.bias_update is not None and not self.bias_update > 0:
+            raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
+
+    def describe(self) -> str:
+        """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, gradient-checkpointing]"""
+        parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
+        if self.aux_loss:
+            parts.append("aux-loss")
+        if self.bias_update is not None:
+            parts.append(f"bias-update={self.bias_update:g}")
+        if self.gradient_checkpointing:
+            parts.append("gradient-checkpointing")
+        return ", ".join(parts)
+
+    def as_dict(self, version: str) -> dict:
+        """What the generated code reads at run time (opt-in keys only when enabled)."""
+        values: dict = {"version": version, "backend": self.backend, "stacking": self.stacking}
+        if self.bias_update is not None:
+            values["bias_update"] = self.bias_update
+        return values

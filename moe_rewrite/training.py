@@ -1,0 +1,60 @@
+"""Training-loop helpers for files rewritten with `--bias-update` (aux-loss-free balancing).
+
+Each rewritten MoE layer counts its routed tokens during training; once per optimizer step its
+`moe_rewrite_update_bias()` moves `e_score_correction_bias` by RATE * sign(mean load - load), with the counts summed
+over data-parallel ranks. Call it yourself, or let one of these do it:
+
+    from moe_rewrite.training import register_bias_update
+    register_bias_update(model, optimizer)            # after every optimizer.step()
+
+    from moe_rewrite.training import BiasUpdateCallback
+    Trainer(..., callbacks=[BiasUpdateCallback()])    # transformers' Trainer
+
+Needs only torch at run time (and transformers for the callback), not the rewriter's own dependencies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def bias_update_layers(model: Any) -> list:
+    """The model's MoE layers that were rewritten with --bias-update."""
+    layers = [m for m in model.modules() if callable(getattr(m, "moe_rewrite_update_bias", None))]
+    if not layers:
+        raise ValueError("no MoE layer of this model was rewritten with --bias-update")
+    return layers
+
+
+def update_biases(model: Any) -> None:
+    """Apply one bias update to every rewritten MoE layer (once per optimizer step)."""
+    for layer in bias_update_layers(model):
+        layer.moe_rewrite_update_bias()
+
+
+def register_bias_update(model: Any, optimizer: Any):
+    """Update the biases after every `optimizer.step()`. Returns the hook handle (`.remove()` undoes it)."""
+    layers = bias_update_layers(model)
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        for layer in layers:
+            layer.moe_rewrite_update_bias()
+
+    return optimizer.register_step_post_hook(after_step)
+
+
+def __getattr__(name: str) -> Any:
+    # The callback subclasses transformers.TrainerCallback: build it only when asked, so importing this module
+    # does not need transformers.
+    if name == "BiasUpdateCallback":
+        from transformers import TrainerCallback
+
+        class BiasUpdateCallback(TrainerCallback):
+            """transformers Trainer callback: one bias update per optimizer step."""
+
+            def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+                update_biases(model)
+
+        globals()["BiasUpdateCallback"] = BiasUpdateCallback
+        return BiasUpdateCallback
+    raise AttributeError(name)
