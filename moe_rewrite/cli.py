@@ -16,6 +16,9 @@ from moe_rewrite import __version__, publish, sources
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
 
+# How rewrite_source's error begins for a file with no MoE class at all (--skip-unrecognised skips those).
+NOT_MOE = "not a DeepSeek-family MoE file"
+
 
 def unified_diff(path: Path, old: str, new: str) -> str:
     return "".join(
@@ -25,20 +28,57 @@ def unified_diff(path: Path, old: str, new: str) -> str:
     )
 
 
-def _check_modes(specs: tuple[str, ...], out: Path | None, in_place: bool, check: bool, diff: bool) -> None:
+def _check_modes(
+    specs: tuple[str, ...], out: Path | None, in_place: bool, check: bool, diff: bool, push_to_hub: str | None = None
+) -> None:
+    publishes = out is not None or push_to_hub is not None
     if out is not None and in_place:
         raise RewriteError("--out and --in-place exclude each other")
-    if (check or diff) and (out is not None or in_place):
-        raise RewriteError("--check and --diff write nothing; drop --out/--in-place")
-    if not (out is not None or in_place or check or diff):
-        raise RewriteError("say where the result goes: --out DIR, --in-place, --check or --diff")
-    if out is not None and len(specs) > 1:
-        raise RewriteError("--out takes one SOURCE; rewrite several files with --in-place")
+    if push_to_hub is not None and in_place:
+        raise RewriteError("--push-to-hub and --in-place exclude each other")
+    if (check or diff) and (publishes or in_place):
+        raise RewriteError("--check and --diff write nothing; drop --out/--in-place/--push-to-hub")
+    if not (publishes or in_place or check or diff):
+        raise RewriteError("say where the result goes: --out DIR, --push-to-hub REPO_ID, --in-place, --check or --diff")
+    if publishes and len(specs) > 1:
+        raise RewriteError("--out and --push-to-hub take one SOURCE; rewrite several files with --in-place")
+
+
+def _check_publishing(out: Path | None, push_to_hub: str | None, include_weights: bool, **push_options) -> None:
+    """--include-weights goes with --out; --create-pr, --private, --commit-message and --push-revision with
+    --push-to-hub."""
+    given = [f"--{name.replace('_', '-')}" for name, value in push_options.items() if value]
+    if given and push_to_hub is None:
+        raise RewriteError(f"{', '.join(given)}: only with --push-to-hub REPO_ID")
+    if push_to_hub is not None and not sources.REPO_ID.match(push_to_hub):
+        raise RewriteError(f"--push-to-hub {push_to_hub}: not a Hub repo id (org/name)")
+    if push_options.get("create_pr") and push_options.get("private"):
+        raise RewriteError("--private applies when --push-to-hub creates the repo; --create-pr needs an existing one")
+    if include_weights and out is None:
+        raise RewriteError("--include-weights needs --out DIR (weights are never pushed)")
+
+
+def _publish(
+    src: sources.Source, result: RewriteResult, options: RewriteOptions, out: Path | None, push: publish.Push | None
+) -> None:
+    """--out and/or --push-to-hub for the one SOURCE: everything is planned (and checked) first, then pushed, then
+    written, so that a failed push leaves nothing written."""
+    checkpoint = publish.plan_checkpoint(src, result.text)
+    uploaded = checkpoint.code_and_config()
+    url = publish.push_to_hub(push, uploaded) if push is not None else None
+    written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
+    target = f" -> {written[0]}" if written else ""
+    click.echo(f"Rewrote {src.modeling_file}{target} ({_describe(result, options)})", err=True)
+    if out is not None:
+        click.echo(f"  {out}: {len(written) - 1} code/config files copied, {len(linked)} files linked", err=True)
+    if push is not None:
+        done = "opened a pull request on" if push.create_pr else "pushed to"
+        click.echo(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}", err=True)
 
 
 def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     gate = f" + {result.gate_class}" if result.form == "v3" else ""
-    return f"{result.form.upper()} form, {result.moe_class}{gate}; backend={options.backend}, stacking={options.stacking}"
+    return f"{result.form.upper()} form, {result.moe_class}{gate}; {options.describe()}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,39 +88,77 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 when something would change.")
 @click.option("--diff", is_flag=True, help="Print a unified diff; write nothing; exit 1 when something would change.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of a Hub SOURCE.")
-@click.option("--token", help="Hub token for private or gated repos (default: the saved login).")
+@click.option("--token", help="Hub token for private or gated repos, and for pushes (default: the saved login).")
+@click.option("--include-weights", is_flag=True,
+              help="Hub SOURCE: download every file into the Hub cache and link weights and tokenizer into --out.")
+@click.option("--push-to-hub", metavar="REPO_ID", help="Upload the patched code and config files to this Hub repo.")
+@click.option("--create-pr", is_flag=True, help="With --push-to-hub: open a pull request instead of committing.")
+@click.option("--commit-message", help="With --push-to-hub: the commit message (default: version and options).")
+@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private when it does not exist.")
+@click.option("--push-revision", metavar="BRANCH",
+              help="With --push-to-hub: the branch to commit to, or the pull request's base (default: main).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND overrides it at run time).")
 @click.option("--stacking", type=click.Choice(STACKINGS), default="stack", show_default=True,
               help="'sequential' stacks each expert weight right before its GEMM: lower peak memory.")
+@click.option("--aux-loss", is_flag=True,
+              help="V3 form: train the router with the complementary sequence-wise balance loss (aux_loss_alpha).")
+@click.option("--bias-update", type=float, metavar="RATE",
+              help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).")
+@click.option("--gradient-checkpointing", is_flag=True,
+              help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
+@click.option("--skip-unrecognised", is_flag=True,
+              help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")
-def command(specs, out, in_place, check, diff, revision, token, backend, stacking) -> int:
+def command(specs, out, in_place, check, diff, revision, token, backend, stacking, aux_loss, bias_update,
+            gradient_checkpointing, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
+            push_revision) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
     """
-    _check_modes(specs, out, in_place, check, diff)
-    options = RewriteOptions(backend=backend, stacking=stacking)
+    _check_modes(specs, out, in_place, check, diff, push_to_hub)
+    _check_publishing(out, push_to_hub, include_weights, create_pr=create_pr, private=private,
+                      commit_message=commit_message, push_revision=push_revision)
+    options = RewriteOptions(
+        backend=backend,
+        stacking=stacking,
+        aux_loss=aux_loss,
+        bias_update=bias_update,
+        gradient_checkpointing=gradient_checkpointing,
+    )
     if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
     # Everything is resolved and rewritten before anything is written: an error leaves every file as it was.
-    resolved = [sources.resolve(spec, revision, token) for spec in specs]
+    resolved = [sources.resolve(spec, revision, token, include_weights) for spec in specs]
     results = []
     for src in resolved:
         try:
             results.append(rewrite_source(src.read(), options))
         except RewriteError as e:
+            if skip_unrecognised and str(e).startswith(NOT_MOE):
+                results.append(None)  # reported below, once nothing else failed
+                continue
             raise RewriteError(f"{src.modeling_file}: {e}") from None
-    if out is not None:
+    if out is not None and results[0] is not None:
         publish.check_out_dir(out, resolved[0])
 
     changed = 0
     for src, result in zip(resolved, results):
         path = src.modeling_file
-        if out is not None:
-            written, linked = publish.write_checkpoint(out, src, result.text)
-            click.echo(f"Rewrote {path} -> {written[0]} ({_describe(result, options)})", err=True)
-            click.echo(f"  {out}: {len(written) - 1} code/config files copied, {len(linked)} files linked", err=True)
+        if result is None:
+            click.echo(f"{path}: skipped ({NOT_MOE})", err=True)
+            continue
+        if out is not None or push_to_hub is not None:
+            push = None if push_to_hub is None else publish.Push(
+                push_to_hub,
+                commit_message or publish.default_commit_message(options.describe()),
+                create_pr=create_pr,
+                private=private,
+                revision=push_revision,
+                token=token,
+            )
+            _publish(src, result, options, out, push)
             continue
         if not result.changed:
             continue

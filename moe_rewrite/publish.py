@@ -1,18 +1,42 @@
-"""Write results: atomic file writes, and an output checkpoint directory that links (never copies) big files."""
+"""Write results: atomic file writes, an output checkpoint directory that links (never copies) big files, and a push of
+its code and config files to a Hub repo in one commit."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_rewrite import __version__
 from moe_rewrite.errors import RewriteError
-from moe_rewrite.sources import Source, is_hub_code_file
+from moe_rewrite.sources import Source, auto_map_refs, is_hub_code_file, split_class_ref
 
 # Files copied into an output checkpoint; everything else (weights, index, tokenizer) is linked.
 COPIED_SUFFIXES = (".py",)
 COPIED_NAMES = ("config.json", "generation_config.json")
+
+# huggingface_hub's client, imported by the first push (tests replace HfApi): the other commands skip its 0.3 s import.
+HfApi = None
+CommitOperationAdd = None
+
+
+def is_code_or_config(name: str) -> bool:
+    """What a push uploads: the code and the model's config files, never weights, indexes or tokenizer files."""
+    return name.endswith(COPIED_SUFFIXES) or name in COPIED_NAMES
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An output checkpoint before it is written: the files written (the patched modeling file first) and the links."""
+
+    files: dict[str, bytes]
+    links: dict[str, Path]  # name -> the source file it points at
+
+    def code_and_config(self) -> dict[str, bytes]:
+        return {name: data for name, data in self.files.items() if is_code_or_config(name)}
 
 
 def write_atomic(path: Path, data: bytes, mode_from: Path | None = None) -> None:
@@ -48,28 +72,164 @@ def check_out_dir(out: Path, source: Source) -> None:
         raise RewriteError(f"{out}: holds the source file itself; use --in-place to rewrite it there")
 
 
-def write_checkpoint(out: Path, source: Source, patched: str) -> tuple[list[Path], list[Path]]:
-    """Fill `out` with the patched modeling file, copies of the other code/config files and links to the rest.
+def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
+    """The patched modeling file, the other code/config files (config.json's auto_map made local) and links to the rest.
 
-    A Hub source contributes its code and config files only. Returns (written, linked).
+    A Hub source contributes its code and config files only, unless it holds the whole snapshot (--include-weights):
+    then, as for a local checkpoint, weights, index and tokenizer files are linked, to the files of the cache snapshot.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    written, linked = [out / source.modeling_file.name], []
-    write_atomic(written[0], patched.encode("utf-8"))
+    files, links = {source.modeling_file.name: patched.encode("utf-8")}, {}
     if source.root is None:
-        return written, linked
+        return Checkpoint(files, links)
+    code_only = source.kind == "hub" and not source.weights
     for entry in sorted(source.root.iterdir()):
-        if entry.name.startswith(".") or entry.name == source.modeling_file.name or out.resolve().is_relative_to(entry.resolve()):
+        if entry.name.startswith(".") or entry.name in files:
             continue
-        dest = out / entry.name
-        if source.kind == "hub":
+        if code_only:
             if entry.is_file() and is_hub_code_file(entry.name):
-                write_atomic(dest, entry.read_bytes())
-                written.append(dest)
-        elif entry.is_file() and (entry.suffix in COPIED_SUFFIXES or entry.name in COPIED_NAMES):
-            write_atomic(dest, entry.read_bytes())
-            written.append(dest)
+                files[entry.name] = entry.read_bytes()
+        elif entry.is_file() and is_code_or_config(entry.name):
+            files[entry.name] = entry.read_bytes()
         else:
-            link_atomic(entry.resolve() if entry.is_symlink() else entry.absolute(), dest)
-            linked.append(dest)
+            links[entry.name] = entry.resolve() if entry.is_symlink() and source.kind == "dir" else entry.absolute()
+    for path in source.external:
+        files.setdefault(path.name, path.read_bytes())
+    if "config.json" in files:
+        files["config.json"] = localize_auto_map(files["config.json"], files, source)
+    return Checkpoint(files, links)
+
+
+def write_checkpoint(out: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[Path]]:
+    """Write the files and make the links in `out` (never a link to `out` or a directory holding it).
+    Returns (written, linked); written[0] is the patched modeling file."""
+    out.mkdir(parents=True, exist_ok=True)
+    written, linked = [], []
+    for name, data in checkpoint.files.items():
+        write_atomic(out / name, data)
+        written.append(out / name)
+    for name, target in checkpoint.links.items():
+        if not out.resolve().is_relative_to(target.resolve()):
+            link_atomic(target, out / name)
+            linked.append(out / name)
     return written, linked
+
+
+# ------------------------------------------------------------------------------------------------ config.json auto_map
+
+
+def _local_ref(ref, key: str, files: dict[str, bytes], source: Source):
+    """"org/name--module.Cls" -> "module.Cls" when module.py is among the written files; other values as they are."""
+    if not isinstance(ref, str) or "--" not in ref:
+        return ref
+    repo, module = split_class_ref(ref)
+    if f"{module}.py" not in files:
+        if source.kind == "hub":
+            raise RewriteError(
+                f"{source.spec}: config.json's auto_map {key} takes {module}.py from {repo}, which has no such file"
+            )
+        raise RewriteError(
+            f"{source.root / 'config.json'}: auto_map {key} takes {module}.py from {repo}, and {source.root} has no "
+            f"{module}.py; copy that repo's {module}.py there"
+        )
+    return ref.rpartition("--")[2]
+
+
+def localize_auto_map(data: bytes, files: dict[str, bytes], source: Source) -> bytes:
+    """config.json with auto_map entries that take code from another repo pointed at the local (patched) files:
+    otherwise transformers would load that repo's unpatched code. The bytes as they were when nothing changes;
+    else written as the Hub writes it (indent 2, keys in their order, non-ASCII escaped only if it was)."""
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict) or not any(repo for _, repo, _ in auto_map_refs(auto_map)):
+        return data
+    for key, value in auto_map.items():
+        if isinstance(value, list):
+            auto_map[key] = [_local_ref(ref, key, files, source) for ref in value]
+        else:
+            auto_map[key] = _local_ref(value, key, files, source)
+    return (json.dumps(config, indent=2, sort_keys=False, ensure_ascii=data.isascii()) + "\n").encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------ --push-to-hub
+
+
+@dataclass(frozen=True)
+class Push:
+    """Where and how --push-to-hub commits."""
+
+    repo_id: str
+    message: str
+    create_pr: bool = False  # open a pull request instead of committing to the branch
+    private: bool = False  # only when the repo is created
+    revision: str | None = None  # the branch to commit to (the PR's base with create_pr); None: the default branch
+    token: str | None = field(default=None, repr=False)  # never printed: not in repr, redacted from errors
+
+
+def default_commit_message(options: str) -> str:
+    return f"Make the MoE layers trainable (moe-rewrite {__version__}; {options})"
+
+
+def push_to_hub(push: Push, files: dict[str, bytes]) -> str:
+    """Upload `files` to push.repo_id in one commit (a pull request with create_pr); returns its URL.
+    The repo is created when missing, except for a pull request, which needs an existing repo."""
+    global HfApi, CommitOperationAdd
+    if HfApi is None:
+        from huggingface_hub import HfApi
+    if CommitOperationAdd is None:
+        from huggingface_hub import CommitOperationAdd
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in files.items()]
+    try:
+        api = HfApi(token=push.token)
+        if not push.create_pr:
+            api.create_repo(push.repo_id, repo_type="model", private=push.private or None, exist_ok=True)
+        info = api.create_commit(
+            push.repo_id,
+            operations,
+            commit_message=push.message,
+            revision=push.revision,
+            create_pr=push.create_pr,
+            repo_type="model",
+        )
+    except Exception as e:
+        raise push_error(push, e) from None
+    return getattr(info, "pr_url", None) or getattr(info, "commit_url", None) or push.repo_id
+
+
+def _first_line(e: BaseException, token: str | None) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text.replace(token, "***") if token else text
+
+
+def push_error(push: Push, e: Exception) -> Exception:
+    """The one-line RewriteError for a failed push (the exception itself when it is not a Hub or network error)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalTokenNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at, status = push.repo_id, getattr(getattr(e, "response", None), "status_code", None)
+    pr_hint = "" if push.create_pr else "; propose the change with --create-pr"
+    if isinstance(e, GatedRepoError):
+        message = "gated repository: request access on the Hub with the account of the token"
+    elif isinstance(e, RepositoryNotFoundError):
+        message = "repository not found, or the token cannot see it (check --token or `hf auth login`)"
+    elif isinstance(e, RevisionNotFoundError):
+        message = f"branch {push.revision} not found (create it on the Hub first)"
+    elif isinstance(e, LocalTokenNotFoundError) or status == 401:
+        message = "not authenticated: pass --token or log in with `hf auth login`"
+    elif status == 403:
+        message = f"permission denied: the token cannot write to this repository{pr_hint}"
+    elif isinstance(e, OfflineModeIsEnabled):
+        message = "cannot push while HF_HUB_OFFLINE is set"
+    elif isinstance(e, (HfHubHTTPError, OSError, ValueError)) or type(e).__module__.startswith(("httpx", "requests")):
+        message = f"push failed ({_first_line(e, push.token)})"
+    else:
+        return e
+    return RewriteError(f"{at}: {message}")

@@ -27,6 +27,9 @@ class Source:
     kind: str  # "file", "dir" or "hub"
     modeling_file: Path
     root: Path | None  # the checkpoint directory (local, or the Hub snapshot); None for a bare file
+    weights: bool = False  # a Hub snapshot with every file (--include-weights), not only code and config
+    # Code that config.json's auto_map takes from other Hub repos ("org/name--module.Class") and root lacks.
+    external: tuple[Path, ...] = ()
 
     def read(self) -> str:
         return read_text(self.modeling_file)
@@ -42,29 +45,78 @@ def read_text(path: Path) -> str:
         raise RewriteError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def modeling_file_name(root: Path) -> str:
-    """The modeling module config.json's auto_map points at, else modeling_deepseek.py."""
+def read_auto_map(root: Path) -> dict:
+    """config.json's auto_map ({} when there is none or the file is not JSON)."""
     try:
         auto_map = json.loads(read_text(root / "config.json")).get("auto_map", {})
     except (RewriteError, ValueError, AttributeError):
-        return DEFAULT_MODELING_FILE
+        return {}
+    return auto_map if isinstance(auto_map, dict) else {}
+
+
+def split_class_ref(ref: str) -> tuple[str | None, str]:
+    """An auto_map class reference -> (repo or None, module): "org/name--mod.Cls" -> ("org/name", "mod")."""
+    repo, _, local = ref.rpartition("--")
+    return repo or None, local.rsplit(".", 1)[0]
+
+
+def auto_map_refs(auto_map: dict) -> list[tuple[str, str | None, str]]:
+    """Every class reference as (auto_map key, repo or None, module); tokenizer entries are lists (slow, fast)."""
+    refs = []
+    for key, value in auto_map.items():
+        for ref in value if isinstance(value, list) else [value]:
+            if isinstance(ref, str) and "." in ref:
+                refs.append((key, *split_class_ref(ref)))
+    return refs
+
+
+def modeling_file_name(root: Path) -> str:
+    """The modeling module config.json's auto_map points at, else modeling_deepseek.py."""
+    auto_map = read_auto_map(root)
     for key in ("AutoModelForCausalLM", "AutoModel"):
-        ref = auto_map.get(key) if isinstance(auto_map, dict) else None
+        ref = auto_map.get(key)
         if isinstance(ref, str) and "." in ref:
-            module = ref.split("--")[-1].rsplit(".", 1)[0]
-            return f"{module}.py"
+            return f"{split_class_ref(ref)[1]}.py"
     return DEFAULT_MODELING_FILE
 
 
-def _from_dir(spec: str, root: Path, kind: str) -> Source:
+def _foreign_repo_of(root: Path, file_name: str) -> str | None:
+    """The other repo config.json's auto_map takes the module `file_name` from, if any."""
+    refs = auto_map_refs(read_auto_map(root))
+    return next((repo for _, repo, module in refs if repo and f"{module}.py" == file_name), None)
+
+
+def _from_dir(spec: str, root: Path, kind: str, weights: bool = False, external: tuple[Path, ...] = ()) -> Source:
     name = modeling_file_name(root)
     path = root / name
     if not path.is_file():
-        raise RewriteError(f"{spec}: no {name} in this {'repository' if kind == 'hub' else 'directory'}")
-    return Source(spec=spec, kind=kind, modeling_file=path, root=root)
+        path = next((p for p in external if p.name == name), None)
+    if path is None:
+        where = "repository" if kind == "hub" else "directory"
+        repo = _foreign_repo_of(root, name)
+        hint = f" (config.json's auto_map takes it from {repo}: put that repo's {name} here)" if repo else ""
+        raise RewriteError(f"{spec}: no {name} in this {where}{hint}")
+    return Source(spec=spec, kind=kind, modeling_file=path, root=root, weights=weights, external=external)
 
 
-def resolve(spec: str, revision: str | None = None, token: str | None = None) -> Source:
+def fetch_referenced_code(spec: str, root: Path, token: str | None) -> tuple[Path, ...]:
+    """Code that config.json's auto_map takes from other Hub repos and `root` lacks: those repos' top-level .py files
+    (the referenced modules and what they import relatively), at their default branch, as transformers fetches them."""
+    refs = auto_map_refs(read_auto_map(root))
+    repos = sorted({repo for _, repo, module in refs if repo and not (root / f"{module}.py").is_file()})
+    found: dict[str, Path] = {}
+    for repo in repos:
+        try:
+            snapshot = download_snapshot(repo, None, token)
+        except RewriteError as e:
+            raise RewriteError(f"{spec}: config.json's auto_map takes code from {e}") from None
+        for path in sorted(snapshot.glob("*.py")):
+            if not (root / path.name).exists():
+                found.setdefault(path.name, path)
+    return tuple(found.values())
+
+
+def resolve(spec: str, revision: str | None = None, token: str | None = None, weights: bool = False) -> Source:
     path = Path(spec)
     if revision is not None and path.exists():
         raise RewriteError(f"{spec}: --revision applies to Hub repo ids, not to local paths")
@@ -73,14 +125,18 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None) ->
     if path.is_file():
         if path.suffix != ".py":
             raise RewriteError(f"{spec}: not a .py file, a checkpoint directory or a Hub repo id")
+        if weights:
+            raise RewriteError(f"{spec}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
         return Source(spec=spec, kind="file", modeling_file=path, root=None)
     if path.suffix == ".py" or not REPO_ID.match(spec):
         raise RewriteError(f"{spec}: no such file or directory")
-    return _from_dir(spec, download_code(spec, revision, token), "hub")
+    root = download_snapshot(spec, revision, token, weights)
+    return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token))
 
 
-def download_code(repo_id: str, revision: str | None, token: str | None) -> Path:
-    """The repo's code and config files in the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir."""
+def download_snapshot(repo_id: str, revision: str | None, token: str | None, weights: bool = False) -> Path:
+    """The repo's code and config files (with `weights`, every file, shown with huggingface_hub's progress bars) in
+    the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -98,8 +154,8 @@ def download_code(repo_id: str, revision: str | None, token: str | None) -> Path
                 repo_id,
                 revision=revision,
                 token=token,
-                allow_patterns=HUB_CODE_PATTERNS,
-                ignore_patterns=HUB_IGNORE_PATTERNS,
+                allow_patterns=None if weights else HUB_CODE_PATTERNS,
+                ignore_patterns=None if weights else HUB_IGNORE_PATTERNS,
                 # huggingface_hub 1.x only blocks HTTP when offline; this makes it answer from the cache, as 0.x does.
                 local_files_only=constants.HF_HUB_OFFLINE,
             )

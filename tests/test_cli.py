@@ -530,3 +530,151 @@ def test_revision_with_a_local_path_is_refused(tmp_path):
     assert code == 2 and err.count("\n") == 1
     assert "--revision applies to Hub repo ids" in err
     assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------- --skip-unrecognised
+
+SKIPPED = "skipped (not a DeepSeek-family MoE file)"
+# A dense model file that happens to be named like the MoE one (the pre-commit hooks match files by name).
+DENSE = "import torch\n\n\nclass MLP(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
+# Has a MoE class (forward() and moe_infer()) but not a structure the rewrite recognises: an error, not a skip.
+UNRECOGNISED_MOE = (
+    "class MoE:\n    def forward(self, x):\n        return self.moe_infer(x)\n\n"
+    "    def moe_infer(self, x):\n        return x\n"
+)
+
+
+def dense_file(tmp_path: Path, folder: str = "dense") -> Path:
+    path = tmp_path / folder / MODELING
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(DENSE)
+    return path
+
+
+def test_skip_unrecognised_in_place_rewrites_the_moe_file_and_reports_the_other(tmp_path):
+    dense = dense_file(tmp_path)
+    moe = copy_modeling(tmp_path, source=SMALL_V3)
+
+    code, stdout, err = run_cli(dense, moe, "--in-place", "--skip-unrecognised")
+
+    assert code == 1, err
+    assert stdout == ""
+    assert "Traceback" not in err
+    assert f"{dense}: {SKIPPED}\n" in err and err.count(SKIPPED) == 1
+    assert f"Rewriting {moe}" in err
+    assert moe.read_text() == patched_text(SMALL_V3)
+    assert dense.read_text() == DENSE
+
+    # Already rewritten: only the skipped file is reported, exit 0.
+    code, stdout, err = run_cli(dense, moe, "--in-place", "--skip-unrecognised")
+    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n")
+    assert moe.read_text() == patched_text(SMALL_V3)
+    assert dense.read_text() == DENSE
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--check", "--diff"])
+def test_skip_unrecognised_alone_exits_0(tmp_path, mode):
+    dense = dense_file(tmp_path)
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(dense, mode, "--skip-unrecognised")
+
+    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n")
+    assert tree(tmp_path) == before
+
+
+def test_skip_unrecognised_with_diff_prints_only_the_moe_diff(tmp_path):
+    dense = dense_file(tmp_path)
+    moe = copy_modeling(tmp_path, source=SMALL_V3)
+    original = moe.read_text()
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(moe, dense, "--diff", "--skip-unrecognised")
+
+    assert code == 1, err
+    assert err == f"{dense}: {SKIPPED}\n"
+    posix = moe.as_posix().lstrip("/")
+    assert stdout.startswith(f"--- a/{posix}\n+++ b/{posix}\n@@ ")
+    assert "dense" not in stdout
+    assert apply_unified_diff(original, stdout) == patched_text(SMALL_V3)
+    assert tree(tmp_path) == before
+
+
+def test_skip_unrecognised_with_check(tmp_path):
+    dense = dense_file(tmp_path)
+    moe = copy_modeling(tmp_path, source=SMALL_V3)
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(dense, moe, "--check", "--skip-unrecognised")
+
+    assert code == 1, err
+    assert stdout == ""
+    assert err.splitlines() == [f"{dense}: {SKIPPED}", err.splitlines()[1]]
+    assert err.splitlines()[1].startswith(f"would rewrite {moe} (V3 form")
+    assert tree(tmp_path) == before
+
+
+def test_skip_unrecognised_with_out_writes_nothing(tmp_path):
+    dense = dense_file(tmp_path)
+
+    code, stdout, err = run_cli(dense, "--out", tmp_path / "out", "--skip-unrecognised")
+
+    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_skip_unrecognised_a_dense_file_fails_everything(tmp_path):
+    dense = dense_file(tmp_path)
+    moe = copy_modeling(tmp_path, source=SMALL_V3)
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(moe, dense, "--in-place")
+
+    assert_one_line_error(code, stdout, err, str(dense), "not a DeepSeek-family MoE file")
+    assert tree(tmp_path) == before
+
+
+def _skip_syntax_error(t):
+    (t / "broken").mkdir()
+    (t / "broken" / MODELING).write_text("def f(:\n    pass\n")
+    return t / "broken" / MODELING, ["syntax error"]
+
+
+def _skip_unrecognised_moe(t):
+    (t / "odd").mkdir()
+    (t / "odd" / MODELING).write_text(UNRECOGNISED_MOE)
+    return t / "odd" / MODELING, ["MoE.forward", "self.gate"]
+
+
+def _skip_missing(t):
+    return t / "gone" / MODELING, ["no such file"]
+
+
+def _skip_not_utf8(t):
+    (t / "latin1").mkdir()
+    (t / "latin1" / MODELING).write_bytes(b"# caf\xe9\n")
+    return t / "latin1" / MODELING, ["UTF-8"]
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--check", "--diff"])
+@pytest.mark.parametrize(
+    "case", [_skip_syntax_error, _skip_unrecognised_moe, _skip_missing, _skip_not_utf8],
+    ids=lambda f: f.__name__.removeprefix("_skip_"),
+)
+def test_skip_unrecognised_other_errors_still_exit_2_and_write_nothing(tmp_path, case, mode):
+    dense = dense_file(tmp_path)
+    moe = copy_modeling(tmp_path, source=SMALL_V3)
+    bad, mentions = case(tmp_path)
+    before = tree(tmp_path)
+
+    code, stdout, err = run_cli(dense, moe, bad, mode, "--skip-unrecognised")
+
+    assert_one_line_error(code, stdout, err, str(bad), *mentions)
+    assert SKIPPED not in err
+    assert tree(tmp_path) == before
+
+
+def test_help_lists_skip_unrecognised():
+    code, stdout, _ = run_cli("--help")
+    assert code == 0
+    assert "--skip-unrecognised" in stdout
