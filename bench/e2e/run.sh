@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# End-to-end FSDP comparison on one host (issue: training at scale). Run from the repository root on the GPU machine:
+#   bash bench/e2e/run.sh            # NPROC defaults to the number of GPUs
+# Needs transformers 4.5x for trust_remote_code (the published DeepSeek files fail to import on 5.x); on the device
+# image it is installed from wheels in .whl/tf4 into /tmp/site, with libcst for the CLI.
+set -euo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.whl .whl/tf4/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+STEPS=${STEPS:-6}
+rm -rf /tmp/e2e && mkdir -p /tmp/e2e
+# Baseline: the naive per-expert loop; candidate: the defaults. Both with --gradient-checkpointing, so that
+# gradient_checkpointing_enable() works in the V3 form.
+python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing
+python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing
+run() {  # impl fsdp [extra args...]
+  local impl=$1 fsdp=$2; shift 2
+  torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$impl" --impl "$impl" \
+    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${impl}_${fsdp}${1:+_nockpt}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
+}
+for fsdp in fsdp2 fsdp1; do
+  run naive-loop $fsdp
+  run moe-rewrite $fsdp
+done
+run moe-rewrite fsdp2 --no-grad-ckpt
+python3 bench/e2e/report.py "$OUT" "$NPROC"

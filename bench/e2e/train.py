@@ -1,0 +1,130 @@
+"""End-to-end training steps with FSDP: a DeepSeek-V3-form model built with trust_remote_code from our stand-in fixture
+(rewritten by the CLI) at Moonlight sizes, bf16, synthetic tokens from a fixed seed, AdamW, gradient accumulation.
+
+    torchrun --nproc-per-node 2 bench/e2e/train.py --ckpt PATCHED_DIR --impl moe-rewrite --fsdp fsdp2 --out row.json
+
+One run = one implementation (the patched file decides: rewritten with `--backend loop` for the naive-loop baseline,
+with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs all four and writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+MOONLIGHT = dict(
+    hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+    n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=2.446, num_attention_heads=16,
+    num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+    v_head_dim=128, vocab_size=32000, first_k_dense_replace=1, max_position_embeddings=8192,
+)
+TINY = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, vocab_size=256, first_k_dense_replace=1, max_position_embeddings=512,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True, help="a directory the CLI rewrote (code + config)")
+    parser.add_argument("--impl", required=True, help="label of the row: naive-loop or moe-rewrite")
+    parser.add_argument("--fsdp", choices=["fsdp1", "fsdp2"], required=True)
+    parser.add_argument("--moe-layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    parser.add_argument("--no-grad-ckpt", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    cuda = not (args.tiny or args.cpu)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    sizes = TINY if args.tiny else MOONLIGHT
+    config = AutoConfig.from_pretrained(
+        args.ckpt, trust_remote_code=True, num_hidden_layers=sizes["first_k_dense_replace"] + args.moe_layers, **sizes
+    )
+    torch.manual_seed(0)  # every rank builds the same initial weights
+    with device:
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
+    grad_ckpt = not args.no_grad_ckpt
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    layer_cls = type(model.model.layers[0])
+    if args.fsdp == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
+        model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def batch(step: int, micro: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+        return torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), generator=g).to(device)
+
+    losses, times = [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for micro in range(args.accum):
+            ids = batch(step, micro)
+            loss = model(input_ids=ids, labels=ids).loss / args.accum
+            loss.backward()
+            total += loss.detach().float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)  # .item() synchronizes: the step is done
+        times.append(time.perf_counter() - start)
+        if rank == 0:
+            print(f"[{args.impl} {args.fsdp}] step {step}: loss {losses[-1]:.5f}, {times[-1]:.3f} s", flush=True)
+
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    timed = sorted(times[args.warmup :])
+    step_s = timed[len(timed) // 2]
+    if rank == 0:
+        tokens = args.micro_batch * args.seq * args.accum
+        row = dict(
+            impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
+            peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
+            gradient_checkpointing=grad_ckpt, step_times_s=[round(t, 4) for t in times],
+        )
+        with open(args.out, "w") as f:
+            json.dump(row, f)
+        print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
