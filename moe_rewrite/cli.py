@@ -13,10 +13,9 @@ from pathlib import Path
 import click
 
 from moe_rewrite import __version__, publish, sources
-from moe_rewrite.errors import RewriteError
+from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
 
-# How rewrite_source's error begins for a file with no MoE class at all (--skip-unrecognised skips those).
 NOT_MOE = "not a DeepSeek-family MoE file"
 
 
@@ -100,7 +99,8 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND overrides it at run time).")
 @click.option("--stacking", type=click.Choice(STACKINGS), default="stack", show_default=True,
-              help="'sequential' stacks each expert weight right before its GEMM: lower peak memory.")
+              help="'stack' keeps stacked expert weights for backward (fastest, single process); 'sequential' stacks "
+                   "each right before its GEMM: lower peak memory.")
 @click.option("--aux-loss", is_flag=True,
               help="V3 form: train the router with the complementary sequence-wise balance loss (aux_loss_alpha).")
 @click.option("--bias-update", type=float, metavar="RATE",
@@ -136,7 +136,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         try:
             results.append(rewrite_source(src.read(), options))
         except RewriteError as e:
-            if skip_unrecognised and str(e).startswith(NOT_MOE):
+            if skip_unrecognised and isinstance(e, NotMoeFileError):
                 results.append(None)  # reported below, once nothing else failed
                 continue
             raise RewriteError(f"{src.modeling_file}: {e}") from None

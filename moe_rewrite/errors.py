@@ -3,3 +3,7 @@
 
 class RewriteError(Exception):
     """A user-facing, one-line reason why a file or source cannot be rewritten."""
+
+
+class NotMoeFileError(RewriteError):
+    """The file has no DeepSeek-family MoE class at all (as opposed to one whose structure is not recognised)."""

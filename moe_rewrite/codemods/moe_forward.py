@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.errors import RewriteError
+from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.templates import render_block, render_moe_methods
 
@@ -74,7 +74,7 @@ def find_moe_class(module: cst.Module) -> cst.ClassDef:
         if isinstance(s, cst.ClassDef) and {"forward", "moe_infer"} <= _methods(s).keys()
     ]
     if not found:
-        raise RewriteError("not a DeepSeek-family MoE file: no class defines both forward() and moe_infer()")
+        raise NotMoeFileError("not a DeepSeek-family MoE file: no class defines both forward() and moe_infer()")
     if len(found) > 1:
         names = ", ".join(c.name.value for c in found)
         raise RewriteError(f"more than one MoE class (forward() and moe_infer()): {names}")
