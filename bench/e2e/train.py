@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--no-grad-ckpt", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
+    parser.add_argument("--profile", help="write a kernel-time table of the last two steps (rank 0) to this file")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -91,7 +92,14 @@ def main() -> None:
     losses, times = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    profiler = None
     for step in range(args.steps):
+        if args.profile and rank == 0 and step == args.steps - 2:
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                record_shapes=False,
+            )
+            profiler.__enter__()
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -109,6 +117,11 @@ def main() -> None:
         if rank == 0:
             print(f"[{args.impl} {args.fsdp}] step {step}: loss {losses[-1]:.5f}, {times[-1]:.3f} s", flush=True)
 
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        with open(args.profile, "w") as f:
+            f.write(table)
     peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     timed = sorted(times[args.warmup :])
