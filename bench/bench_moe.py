@@ -269,7 +269,7 @@ def main():
             t0 = time.time()
             ms, host_ms, peak, y, x = run_impl(fn, data, moe, peer, warm, r)
             if impl == "moe-rewrite":
-                notes.append(f"{name}: moe-rewrite default kernel = {modeling._moe_rewrite_kernel(x)}")
+                notes.append(f"{name}: moe-rewrite default kernel = {modeling._moe_rewrite_kernel(x, x.dtype)}")
             grads = grads_of(impl, moe, peer, x)
             if ref is None:
                 ref = [y] + grads

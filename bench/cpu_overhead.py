@@ -63,7 +63,7 @@ print(f"expert weight lists: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
 gate_w, up_w, down_w = modeling._moe_rewrite_expert_weights(moe.experts)
 t = time.perf_counter()
 for _ in range(20):
-    modeling._moe_rewrite_stack(gate_w + up_w, 2)
+    modeling._moe_rewrite_stack(gate_w + up_w, 2, torch.bfloat16)
 print(f"stack gate+up (host): {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -78,7 +78,7 @@ def main() -> None:
         optim.zero_grad()
         print(f"   step {step}: loss {loss.item():.4f}")
     moe = model.model.layers[1].mlp
-    print(f"   MoE kernel used on this machine: {sys.modules[type(moe).__module__]._moe_rewrite_kernel(batch.float())}")
+    print(f"   MoE kernel used on this machine: {sys.modules[type(moe).__module__]._moe_rewrite_kernel(batch.float(), torch.float32)}")
     print(f"\nDone. Patched checkpoint: {patched_dir}")
 
 

@@ -13,7 +13,8 @@ class MoE:
         """
         if self.ep_size > 1:
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
-        kernel = _moe_rewrite_kernel(x)
+        dtype = _moe_rewrite_compute_dtype(x)
+        kernel = _moe_rewrite_kernel(x, dtype)
         weights = _moe_rewrite_expert_weights(self.experts) if kernel != "loop" else None
         if weights is None:
             return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
@@ -25,7 +26,7 @@ class MoE:
         offsets = torch.searchsorted(
             flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
         ).to(torch.int32)
-        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
+        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
         # "stack" keeps the stacked weights from forward to backward (fastest), except under torch.distributed, where
         # the weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -201,7 +201,7 @@ def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
     for backend in ("auto", "torch", "loop"):
         monkeypatch.setenv("MOE_REWRITE_BACKEND", backend)
         results[backend] = moe.moe_train(x, ids, w)
-    assert module._moe_rewrite_kernel(x) == "loop"
+    assert module._moe_rewrite_kernel(x, x.dtype) == "loop"
     assert rel_err(results["auto"], results["loop"]) < REL and rel_err(results["torch"], results["loop"]) < REL
     monkeypatch.setenv("MOE_REWRITE_BACKEND", "grouped_gemm")
     with pytest.raises(RuntimeError, match="grouped_gemm package, CUDA and bfloat16"):
@@ -210,13 +210,13 @@ def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
     with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
         moe.moe_train(x, ids, w)
     monkeypatch.delenv("MOE_REWRITE_BACKEND")
-    assert module._moe_rewrite_kernel(x) == "sorted"  # CPU default under "auto"
+    assert module._moe_rewrite_kernel(x, x.dtype) == "sorted"  # CPU default under "auto"
 
 
 def test_loop_backend_written_into_the_file_is_used(tmp_path_factory):
     moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3", "--backend", "loop")))
     assert "MOE_REWRITE_BACKEND" not in os.environ
-    assert model_module(moe)._moe_rewrite_kernel(torch.randn(2, 2)) == "loop"
+    assert model_module(moe)._moe_rewrite_kernel(torch.randn(2, 2), torch.float32) == "loop"
 
 
 def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
@@ -233,8 +233,8 @@ def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
             offset += size
     names = [n for n, _ in experts[0].named_parameters()]
     assert names == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
-    gate_up = module._moe_rewrite_stack([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts], 2)
-    down = module._moe_rewrite_stack([e.down_proj.weight for e in experts], 1)
+    gate_up = module._moe_rewrite_stack([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts], 2, torch.float32)
+    down = module._moe_rewrite_stack([e.down_proj.weight for e in experts], 1, torch.float32)
     assert gate_up.data_ptr() == flat.data_ptr() and down.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     for i, e in enumerate(experts):
         assert torch.equal(gate_up[i], torch.cat([e.gate_proj.weight, e.up_proj.weight]))
@@ -333,3 +333,29 @@ def test_only_experts_trainable_still_get_gradients(tmp_path_factory):
     used = set(ids.flatten().tolist())
     for i, e in enumerate(moe.experts):
         assert (torch.count_nonzero(e.gate_proj.weight.grad) > 0) == (i in used)
+
+
+def test_autocast_runs_the_experts_in_the_autocast_dtype_with_fp32_gradients(tmp_path_factory):
+    """fp32 weights under torch.autocast (e.g. Trainer with bf16=True): computed like nn.Linear would, in bf16."""
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    x = torch.randn(12, moe.config.hidden_size, requires_grad=True)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(12)])
+    w = torch.rand(12, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe.moe_train(x, ids, w)
+    ref = copy.deepcopy(moe)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the experts called as modules: nn.Linear autocasts
+        ref_y = torch.zeros(12, moe.config.hidden_size)
+        for i, expert in enumerate(ref.experts):
+            token, slot = (ids == i).nonzero(as_tuple=True)
+            ref_y = ref_y.index_add(0, token, w[token, slot, None] * expert(x_ref[token]).float())
+    assert y.dtype == torch.float32
+    assert rel_err(y, ref_y) < 1e-2
+    y.sum().backward()
+    ref_y.sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < 2e-2
+    for e, r in zip(moe.experts, ref.experts):
+        assert e.gate_proj.weight.grad.dtype == torch.float32
+        if torch.count_nonzero(r.down_proj.weight.grad) > 0:
+            assert rel_err(e.down_proj.weight.grad, r.down_proj.weight.grad) < 2e-2

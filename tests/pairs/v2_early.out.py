@@ -15,12 +15,20 @@ class MoEGate(nn.Module):
 MOE_REWRITE_OPTIONS = {"version": "0.1.0", "backend": "auto", "stacking": "stack"}
 
 
-def _moe_rewrite_kernel(x):
-    """Which grouped-GEMM kernel runs for activations `x`: MOE_REWRITE_BACKEND, else the default chosen at rewrite."""
+def _moe_rewrite_compute_dtype(x):
+    """The dtype the expert GEMMs run in: torch.autocast's when it is on for x's device (as nn.Linear would), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _moe_rewrite_kernel(x, dtype):
+    """Which grouped-GEMM kernel runs for activations `x` computed in `dtype`: MOE_REWRITE_BACKEND, else the default
+    chosen at rewrite time."""
     import os
 
     backend = os.environ.get("MOE_REWRITE_BACKEND") or MOE_REWRITE_OPTIONS["backend"]
-    cuda_bf16 = x.is_cuda and x.dtype == torch.bfloat16
+    cuda_bf16 = x.is_cuda and dtype == torch.bfloat16
     if backend == "loop":
         return "loop"
     if backend == "grouped_gemm":
@@ -84,11 +92,12 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b.split(counts.tolist()))])
 
 
-def _moe_rewrite_stack(weights, parts):
-    """The experts' weights as one (E, parts * out, in) tensor; `weights` lists part 0 of every expert, then part 1...
+def _moe_rewrite_stack(weights, parts, dtype):
+    """The experts' weights as one (E, parts * out, in) tensor in `dtype`; `weights` lists part 0 of every expert, then
+    part 1...
 
-    When the weights already lie at a fixed stride in one buffer (inside an FSDP flat parameter, say) this is a view
-    of that buffer; otherwise it is a copy.
+    When the weights already lie at a fixed stride in one buffer (inside an FSDP flat parameter, say) and have that
+    dtype, this is a view of that buffer; otherwise it is a copy.
     """
     experts = len(weights) // parts
     first = weights[0]
@@ -101,10 +110,10 @@ def _moe_rewrite_stack(weights, parts):
         and w.storage_offset() == base + (i % experts) * stride + (i // experts) * rows * cols
         for i, w in enumerate(weights)
     ):
-        return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base)
+        return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base).to(dtype)
     # Interleaved as (expert, part), one stack lays them out exactly as (E, parts * out, in).
     interleaved = [weights[p * experts + e] for e in range(experts) for p in range(parts)]
-    return torch.stack(interleaved).view(experts, parts * rows, cols)
+    return torch.stack(interleaved).view(experts, parts * rows, cols).to(dtype)
 
 
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
@@ -119,7 +128,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, kernel, keep_stacked, parts, direct, weights, *tracked):
-        stacked = _moe_rewrite_stack(weights, parts)
+        stacked = _moe_rewrite_stack(weights, parts, x.dtype)
         ctx.kernel, ctx.parts, ctx.keep_stacked, ctx.direct, ctx.weights = kernel, parts, keep_stacked, direct, weights
         ctx.save_for_backward(x, offsets, stacked if keep_stacked else None)
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
@@ -132,13 +141,14 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             if stacked is None:
-                stacked = _moe_rewrite_stack(weights, ctx.parts)
+                stacked = _moe_rewrite_stack(weights, ctx.parts, x.dtype)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
             del stacked  # a re-stacked copy is freed before the weight gradients are allocated
         count = len(ctx.needs_input_grad) - 7
         grad_tracked = (None,) * count
         if any(ctx.needs_input_grad[7:]):
-            grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad")
+            # In the weights' own dtype (fp32 weights under autocast get fp32 gradients, as nn.Linear's do).
+            grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad").to(weights[0].dtype)
             per_part = grad_w.view(len(weights) // ctx.parts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
             grads = [g for part in per_part for g in part.unbind(0)]
             if ctx.direct:
@@ -278,7 +288,8 @@ class DeepseekV2MoE(nn.Module):
         """
         if self.ep_size > 1:
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
-        kernel = _moe_rewrite_kernel(x)
+        dtype = _moe_rewrite_compute_dtype(x)
+        kernel = _moe_rewrite_kernel(x, dtype)
         weights = _moe_rewrite_expert_weights(self.experts) if kernel != "loop" else None
         if weights is None:
             return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
@@ -290,7 +301,7 @@ class DeepseekV2MoE(nn.Module):
         offsets = torch.searchsorted(
             flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
         ).to(torch.int32)
-        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1])
+        rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
         # "stack" keeps the stacked weights from forward to backward (fastest), except under torch.distributed, where
         # the weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
