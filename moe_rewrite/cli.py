@@ -133,8 +133,9 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
     resolved = [sources.resolve(spec, revision, token, include_weights) for spec in specs]
     results = []
     for src in resolved:
+        text = src.read()
         try:
-            results.append(rewrite_source(src.read(), options))
+            results.append(rewrite_source(text, options))
         except RewriteError as e:
             if skip_unrecognised and isinstance(e, NotMoeFileError):
                 results.append(None)  # reported below, once nothing else failed
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except click.ClickException as e:
         click.echo(f"moe-rewrite: error: {e.format_message()}", err=True)
+        return 2
+    except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)
+        click.echo(f"moe-rewrite: error: {e.filename or ''}: {e.strerror or e}", err=True)
         return 2
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_rewrite.errors import RewriteError
@@ -23,7 +24,7 @@ class RewriteOptions:
             raise RewriteError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
         if self.stacking not in STACKINGS:
             raise RewriteError(f"unknown stacking {self.stacking!r}; choose from {', '.join(STACKINGS)}")
-        if self.bias_update is not None and not self.bias_update > 0:
+        if self.bias_update is not None and not (math.isfinite(self.bias_update) and self.bias_update > 0):
             raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
 
     def describe(self) -> str:

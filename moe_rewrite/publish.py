@@ -64,8 +64,15 @@ def link_atomic(target: Path, path: Path) -> None:
 
 def check_out_dir(out: Path, source: Source) -> None:
     """Refuse an output directory that is the source itself or an existing file; before anything is written."""
+    if out.is_symlink() and not out.exists():
+        raise RewriteError(f"{out}: is a link to nothing")
     if out.exists() and not out.is_dir():
         raise RewriteError(f"{out}: exists and is not a directory")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise RewriteError(f"{out}: cannot be created, {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RewriteError(f"{out}: cannot be written ({existing} is not writable)")
     if source.root is not None and out.resolve() == source.root.resolve():
         raise RewriteError(f"{out}: is the source checkpoint itself; use --in-place to rewrite it there")
     if source.root is None and out.resolve() == source.modeling_file.parent.resolve():

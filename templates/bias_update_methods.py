@@ -19,13 +19,33 @@ class MoE:
 
     def moe_rewrite_update_bias(self):
         """Once per optimizer step: e_score_correction_bias += RATE * sign(mean load - load), loads summed over
-        data-parallel ranks so that every rank applies the same update; then the counts restart from zero."""
+        data-parallel ranks so that every rank applies the same update; then the counts restart from zero.
+
+        The bias is updated in an fp32 copy (a bf16 bias would round small steps away) and copied into the parameter,
+        through its shards under FSDP2.
+        """
         bias = self.gate.e_score_correction_bias
+        full = bias.full_tensor() if hasattr(bias, "full_tensor") else bias  # FSDP2 shards it as a DTensor
+        if full.dim() != 1 or full.numel() != self.config.n_routed_experts:
+            raise RuntimeError(
+                "moe-rewrite: e_score_correction_bias is sharded in a way --bias-update cannot update (FSDP1 flat "
+                "parameters, ZeRO-3); keep the gates' biases out of sharding (FSDP1 ignored_states) or use FSDP2"
+            )
         load = getattr(self, "_moe_rewrite_load", None)
         if load is None:  # no tokens reached this layer on this rank; the all-reduce still needs its zeros
-            load = torch.zeros(bias.shape[0], dtype=torch.float32, device=bias.device)
+            load = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(load)
+        master = getattr(self, "_moe_rewrite_bias", None)
+        if master is None:
+            master = full.detach().float().clone()
+            self.register_buffer("_moe_rewrite_bias", master, persistent=False)
+        master.add_(torch.sign(load.mean() - load), alpha=MOE_REWRITE_OPTIONS["bias_update"])
         with torch.no_grad():
-            bias.add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=MOE_REWRITE_OPTIONS["bias_update"])
+            if hasattr(bias, "full_tensor"):
+                from torch.distributed.tensor import distribute_tensor
+
+                bias.copy_(distribute_tensor(master.to(bias.dtype), bias.device_mesh, bias.placements))
+            else:
+                bias.copy_(master)
         load.zero_()

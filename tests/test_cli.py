@@ -678,3 +678,25 @@ def test_help_lists_skip_unrecognised():
     code, stdout, _ = run_cli("--help")
     assert code == 0
     assert "--skip-unrecognised" in stdout
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "dangling-link"])
+def test_an_output_directory_that_cannot_be_made_is_a_one_line_error(tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "file.txt").write_text("x")
+        out = tmp_path / "file.txt" / "sub"
+    else:
+        out = tmp_path / "link"
+        out.symlink_to(tmp_path / "missing")
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(PAIRS / "v3_basic.in.py", "--out", out)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("moe-rewrite: error:")
+    assert "Traceback" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_unreadable_text_is_named_once(tmp_path):
+    bad = tmp_path / "modeling_deepseek.py"
+    bad.write_bytes(b"\xff\xfe\x00 not utf-8")
+    code, _, err = run_cli(bad, "--check")
+    assert code == 2 and err.count(str(bad)) == 1 and "not UTF-8" in err

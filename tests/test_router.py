@@ -178,12 +178,13 @@ def _saved_bytes(model, ids):
     return loss, total
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("rewritten", [True, False], ids=["with-option", "without"])
-def test_gradient_checkpointing_enable_works_with_identical_gradients(tmp_path_factory, rewritten):
+def test_gradient_checkpointing_enable_works_with_identical_gradients(tmp_path_factory, rewritten, reentrant):
     options = ("--gradient-checkpointing",) if rewritten else ()
     plain = build_model(patched_checkpoint(tmp_path_factory, "v3", *options), seed=11).train()
     checkpointed = copy.deepcopy(plain)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert checkpointed.is_gradient_checkpointing
     ids = torch.randint(0, 256, (2, 16))
     loss_plain, saved_plain = _saved_bytes(plain, ids)
@@ -205,8 +206,9 @@ def test_gradient_checkpointing_enable_works_with_identical_gradients(tmp_path_f
 def test_router_options_are_refused_for_the_v2_form(tmp_path):
     code, _, err = run_cli(PAIRS / "v2_basic.in.py", "--check", "--aux-loss")
     assert code == 2 and "apply to the V3 form" in err and err.count("\n") == 1
-    code, _, err = run_cli(PAIRS / "v3_basic.in.py", "--check", "--bias-update", "-1")
-    assert code == 2 and "positive" in err
+    for rate in ("-1", "0", "inf", "nan"):
+        code, _, err = run_cli(PAIRS / "v3_basic.in.py", "--check", "--bias-update", rate)
+        assert code == 2 and "positive" in err, rate
 
 
 def test_options_regenerate_and_revert(tmp_path_factory):
@@ -219,3 +221,53 @@ def test_options_regenerate_and_revert(tmp_path_factory):
     reverted = (out / "modeling_deepseek.py").read_text()
     default = (patched_checkpoint(tmp_path_factory, "v3") / "modeling_deepseek.py").read_text()
     assert reverted == default
+
+
+def test_bias_update_in_a_bf16_model_is_not_rounded_away(tmp_path_factory):
+    """A bf16 bias cannot hold 2.0 - 0.001: the updates accumulate in fp32 and the parameter follows."""
+    model, moe = _skewed_bias_model(tmp_path_factory, rate="0.001")
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias[:2] = 2.0
+    x = torch.randn(2, 8, moe.config.hidden_size, dtype=torch.bfloat16)
+    for _ in range(20):
+        moe(x)
+        moe.moe_rewrite_update_bias()
+    assert torch.allclose(moe._moe_rewrite_bias[:2], torch.full((2,), 1.98), atol=1e-6)
+    assert (moe.gate.e_score_correction_bias[:2].float() < 2.0).all()
+
+
+def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from moe_rewrite.training import register_bias_update
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = build_model(ckpt, seed=9).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    register_bias_update(model, optimizer)
+    torch.manual_seed(200 + rank)
+    ids = torch.randint(0, 256, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    moe = moe_layer(model)
+    load = moe._moe_rewrite_load.clone()
+    optimizer.step()
+    bias = moe.gate.e_score_correction_bias.full_tensor().detach().clone()
+    torch.save({"load": load, "bias": bias}, os.path.join(out_dir, f"fsdp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_bias_update_under_fsdp2_updates_the_sharded_bias_identically(tmp_path_factory, tmp_path):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--bias-update", "0.01")
+    torch.multiprocessing.spawn(
+        _fsdp2_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    results = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2)]
+    assert torch.equal(results[0]["bias"], results[1]["bias"])
+    total = results[0]["load"] + results[1]["load"]
+    initial = moe_layer(build_model(ckpt, seed=9)).gate.e_score_correction_bias.detach()
+    assert torch.equal(results[0]["bias"], initial + 0.01 * torch.sign(total.mean() - total))

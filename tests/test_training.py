@@ -359,3 +359,69 @@ def test_autocast_runs_the_experts_in_the_autocast_dtype_with_fp32_gradients(tmp
         assert e.gate_proj.weight.grad.dtype == torch.float32
         if torch.count_nonzero(r.down_proj.weight.grad) > 0:
             assert rel_err(e.down_proj.weight.grad, r.down_proj.weight.grad) < 2e-2
+
+
+def test_autograd_grad_and_backward_inputs_do_not_touch_expert_grads(tmp_path_factory):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    x = torch.randn(6, moe.config.hidden_size, requires_grad=True)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
+    (gx,) = torch.autograd.grad(moe.moe_train(x, ids, torch.rand(6, 2)).sum(), x)
+    assert gx is not None and all(p.grad is None for p in moe.experts.parameters())
+    moe.moe_train(x, ids, torch.rand(6, 2)).sum().backward(inputs=[x])
+    assert all(p.grad is None for p in moe.experts.parameters())
+
+
+def test_one_wrapped_expert_sends_the_layer_through_the_loop(tmp_path_factory):
+    class DoubledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    old = moe.experts[3].up_proj
+    moe.experts[3].up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
+    moe.experts[3].up_proj.weight.data.copy_(old.weight)
+    x = torch.randn(5, moe.config.hidden_size)
+    ids = torch.tensor([[3, 0], [3, 1], [2, 3], [4, 5], [3, 7]])
+    w = torch.rand(5, 2)
+    expected = torch.stack([sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(2)) for t in range(5)])
+    assert rel_err(moe.moe_train(x, ids, w), expected) < REL
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
+@pytest.mark.parametrize("layout", ["separate", "flat"])
+def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeypatch, layout):
+    """The GPU production path, torch._grouped_mm, run on CPU in bf16: transposes, int32 offsets, empty experts."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
+    moe = moe_layer(model).train()
+    module = model_module(moe)
+    if layout == "flat":
+        params = [p for e in moe.experts for p in e.parameters()]
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+    monkeypatch.setattr(module, "_moe_rewrite_kernel", lambda x, dtype: "torch")
+    n = 16
+    x = torch.randn(n, moe.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.stack([torch.tensor([1, 6])[torch.randperm(2)] for _ in range(n)])  # experts 0, 2-5, 7 get nothing
+    w = torch.rand(n, 2)
+    y = moe.moe_train(x, ids, w)
+    ref = copy.deepcopy(moe).double()
+    x64 = x.detach().double().requires_grad_(True)
+    ref_y = torch.zeros_like(x64)
+    for i, expert in enumerate(ref.experts):
+        token, slot = (ids == i).nonzero(as_tuple=True)
+        ref_y = ref_y.index_add(0, token, w.double()[token, slot, None] * expert(x64[token]))
+    assert rel_err(y, ref_y) < 1e-2
+    probe = torch.randn(n, moe.config.hidden_size)
+    (y * probe).sum().backward()
+    (ref_y * probe.double()).sum().backward()
+    assert rel_err(x.grad, x64.grad) < 2e-2
+    for i, (e, r) in enumerate(zip(moe.experts, ref.experts)):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            grad = getattr(e, proj).weight.grad
+            if i in (1, 6):
+                assert rel_err(grad, getattr(r, proj).weight.grad) < 2e-2
+            else:
+                assert torch.count_nonzero(grad) == 0 and not torch.isnan(grad).any()

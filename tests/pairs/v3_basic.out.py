@@ -136,6 +136,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offsets, kernel, keep_stacked, parts, direct, weights, *tracked):
         stacked = _moe_rewrite_stack(weights, parts, x.dtype)
         ctx.kernel, ctx.parts, ctx.keep_stacked, ctx.direct, ctx.weights = kernel, parts, keep_stacked, direct, weights
+        ctx.anchor = tracked[0] if direct and tracked else None
         ctx.save_for_backward(x, offsets, stacked if keep_stacked else None)
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
@@ -152,7 +153,11 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
             del stacked  # a re-stacked copy is freed before the weight gradients are allocated
         count = len(ctx.needs_input_grad) - 7
         grad_tracked = (None,) * count
-        if any(ctx.needs_input_grad[7:]):
+        weight_grads = any(ctx.needs_input_grad[7:])
+        if weight_grads and ctx.direct:
+            # Only when this backward accumulates into parameters (not autograd.grad, not backward(inputs=...)).
+            weight_grads = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(ctx.anchor).node)
+        if weight_grads:
             # In the weights' own dtype (fp32 weights under autocast get fp32 gradients, as nn.Linear's do).
             grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad").to(weights[0].dtype)
             per_part = grad_w.view(len(weights) // ctx.parts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
@@ -170,7 +175,9 @@ def _moe_rewrite_direct_grads(weights):
     Each autograd leaf costs several microseconds of host time per step (one engine node per expert weight: 384 for
     128 experts, about 2.5 ms on an H200 host, more than the layer's GPU time; see moe-rewrite's bench/NOTES.md).
     Only for plain leaf tensors without hooks and outside torch.distributed, whose wrappers (DDP, FSDP, DeepSpeed)
-    hook gradient accumulation; MOE_REWRITE_DIRECT_GRADS=0 turns it off. As with any .grad, gradients accumulate.
+    hook gradient accumulation, and only in a backward that accumulates into parameters (autograd.grad and
+    backward(inputs=...) write nothing). torch.autograd.grad asking for an expert weight needs
+    MOE_REWRITE_DIRECT_GRADS=0. As with any .grad, gradients accumulate.
     """
     import os
 
@@ -210,21 +217,24 @@ def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, weights, parts):
 
 
 def _moe_rewrite_expert_weights(experts):
-    """The experts' gate, up and down weights as three lists, or None when an expert is not three plain nn.Linear
-    layers (LoRA adapters, quantized layers): those run through the per-expert loop, which calls them as modules.
+    """The experts' gate, up and down weights as three lists; None when an expert must be called as a module and runs
+    through the per-expert loop: projections that are not plain nn.Linear layers (LoRA adapters, quantized layers), or
+    weights that are not there in full (DeepSpeed ZeRO-3 gathers them in the module's own forward hook).
     """
-    first = experts[0]._modules
-    if any(type(first.get(name)) is not torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj")):
+    names = ("gate_proj", "up_proj", "down_proj")
+    modules = [[e._modules.get(name) for e in experts] for name in names]
+    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
         return None
     # Plain dict lookups: nn.Module.__getattr__ would cost about a microsecond each, 6 * E times per layer and step.
     # FSDP without use_orig_params sets the weight as a plain tensor attribute instead of a parameter.
-    return tuple(
-        [
-            m._parameters["weight"] if "weight" in m._parameters else m.weight
-            for m in (e._modules[name] for e in experts)
-        ]
-        for name in ("gate_proj", "up_proj", "down_proj")
-    )
+    weights = tuple([m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules)
+    first, last = modules[0][0], modules[2][-1]
+    if weights[0][0].shape != (first.out_features, first.in_features) or weights[2][-1].shape != (
+        last.out_features,
+        last.in_features,
+    ):
+        return None
+    return weights
 
 
 def _moe_rewrite_combine(y, topk_ids, topk_weight):
