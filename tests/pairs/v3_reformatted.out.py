@@ -131,7 +131,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, kernel, keep_stacked, parts, direct, weights, *tracked):
         stacked = _moe_rewrite_stack(weights, parts, x.dtype)
-        ctx.kernel, ctx.parts, ctx.keep_stacked, ctx.direct, ctx.weights = kernel, parts, keep_stacked, direct, weights
+        ctx.kernel, ctx.parts, ctx.direct, ctx.weights = kernel, parts, direct, weights
         ctx.anchor = tracked[0] if direct and tracked else None
         ctx.save_for_backward(x, offsets, stacked if keep_stacked else None)
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
