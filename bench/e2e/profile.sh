@@ -11,5 +11,5 @@ rm -rf /tmp/e2e && mkdir -p /tmp/e2e
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing
 for fsdp in fsdp1 fsdp2; do
   torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt /tmp/e2e/moe-rewrite --impl moe-rewrite \
-    --fsdp $fsdp --steps 5 --profile "$OUT/profile_e2e_$fsdp.txt" --out "$OUT/row_profiled_$fsdp.json" 2>&1 | grep "step\|Error" || true
+    --fsdp $fsdp --steps 6 --fuse-experts --profile "$OUT/profile_e2e_fused_$fsdp.txt" --out "$OUT/row_profiled_fused_$fsdp.json" 2>&1 | grep "step\|Error" || true
 done

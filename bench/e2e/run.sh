@@ -10,20 +10,22 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-STEPS=${STEPS:-6}
+STEPS=${STEPS:-8}
 rm -rf /tmp/e2e && mkdir -p /tmp/e2e
-# Baseline: the naive per-expert loop; candidate: the defaults. Both with --gradient-checkpointing, so that
+# Baseline: the naive per-expert loop; candidate: the defaults, then the defaults with fused experts
+# (moe_rewrite.training.fuse_experts before wrapping). All with --gradient-checkpointing, so that
 # gradient_checkpointing_enable() works in the V3 form.
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing
-run() {  # impl fsdp [extra args...]
-  local impl=$1 fsdp=$2; shift 2
+run() {  # impl fsdp tag [extra args...]
+  local impl=$1 fsdp=$2 tag=$3; shift 3
   torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$impl" --impl "$impl" \
-    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${impl}_${fsdp}${1:+_nockpt}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
+    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${fsdp}_${impl}${tag}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
 }
 for fsdp in fsdp2 fsdp1; do
-  run naive-loop $fsdp
-  run moe-rewrite $fsdp
+  run naive-loop $fsdp ""
+  run moe-rewrite $fsdp ""
+  run moe-rewrite $fsdp _fused --fuse-experts
 done
-run moe-rewrite fsdp2 --no-grad-ckpt
+run moe-rewrite fsdp2 _fused_nockpt --fuse-experts --no-grad-ckpt
 python3 bench/e2e/report.py "$OUT" "$NPROC"

@@ -30,6 +30,29 @@ TINY = dict(
 )
 
 
+def busy_summary(events, step_times: list[float]) -> str:
+    """How much of the profiled wall time the GPU spent in compute kernels, in communication, and in neither."""
+
+    def union(intervals: list[tuple[float, float]]) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    wall_ms = sum(step_times) * 1e3
+    ms = lambda us: us / 1e3  # noqa: E731
+    return (
+        f"profiled steps wall {wall_ms:.1f} ms; GPU compute busy {ms(union(compute)):.1f} ms; "
+        f"communication {ms(union(comm)):.1f} ms; compute or communication {ms(union(compute + comm)):.1f} ms; "
+        f"{len(compute)} compute kernels"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", required=True, help="a directory the CLI rewrote (code + config)")
@@ -39,11 +62,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--no-grad-ckpt", action="store_true")
+    parser.add_argument("--fuse-experts", action="store_true", help="moe_rewrite.training.fuse_experts before wrapping")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
+    parser.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation (both)")
     parser.add_argument("--profile", help="write a kernel-time table of the last two steps (rank 0) to this file")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -66,6 +91,10 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     with device:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
+    if args.fuse_experts:
+        from moe_rewrite.training import fuse_experts
+
+        fuse_experts(model)
     grad_ckpt = not args.no_grad_ckpt
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -83,7 +112,8 @@ def main() -> None:
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
         model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    fused = args.adamw == "fused" and cuda
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused, foreach=not fused)
 
     def batch(step: int, micro: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
@@ -119,9 +149,11 @@ def main() -> None:
 
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        averages = profiler.key_averages()
         with open(args.profile, "w") as f:
-            f.write(table)
+            f.write(busy_summary(profiler.events(), times[-2:]) + "\n\n")
+            f.write(averages.table(sort_by="cuda_time_total", row_limit=40) + "\n\n")
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
     peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     timed = sorted(times[args.warmup :])
@@ -131,7 +163,7 @@ def main() -> None:
         row = dict(
             impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
-            gradient_checkpointing=grad_ckpt, step_times_s=[round(t, 4) for t in times],
+            gradient_checkpointing=grad_ckpt, fused_experts=args.fuse_experts, step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
             json.dump(row, f)

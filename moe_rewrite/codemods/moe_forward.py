@@ -52,7 +52,7 @@ MOE_TRAIN_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_
 SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SELF_GATE_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("gate")))
 GENERATED_PREFIXES = ("MOE_REWRITE_", "_moe_rewrite_", "_MoeRewrite")
-GENERATED_METHODS = ("moe_train", "moe_rewrite_count_load", "moe_rewrite_update_bias")
+GENERATED_METHODS = ("moe_train",)  # and every method named moe_rewrite_*
 
 
 @dataclass
@@ -234,7 +234,9 @@ def with_methods(moe: cst.ClassDef, forward: cst.FunctionDef, methods: list[cst.
     """The class with `forward` replaced and the generated methods right after it (replacing earlier ones)."""
     body: list[cst.BaseStatement] = []
     for stmt in moe.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value in GENERATED_METHODS:
+        if isinstance(stmt, cst.FunctionDef) and (
+            stmt.name.value in GENERATED_METHODS or stmt.name.value.startswith("moe_rewrite_")
+        ):
             continue
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
             body += [forward, *methods]

@@ -110,6 +110,8 @@ def _moe_rewrite_stack(weights, parts, dtype):
     When the weights already lie at a fixed stride in one buffer (inside an FSDP flat parameter, say) and have that
     dtype, this is a view of that buffer; otherwise it is a copy.
     """
+    if len(weights) == 1 and weights[0].dim() == 3:  # fused experts: already (E, parts * out, in)
+        return weights[0].to(dtype)
     experts = len(weights) // parts
     first = weights[0]
     rows, cols = first.shape
@@ -130,8 +132,9 @@ def _moe_rewrite_stack(weights, parts, dtype):
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
     """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
 
-    The weights are the experts' own nn.Linear parameters (state-dict keys unchanged); `parts` > 1 concatenates
-    several projections per expert along the output dim (gate and up in one GEMM). With keep_stacked False the stacked
+    The weights are the experts' own nn.Linear parameters (state-dict keys unchanged), or one (E, out, in) parameter
+    of fused experts; `parts` > 1 concatenates several projections per expert along the output dim (gate and up in one
+    GEMM). With keep_stacked False the stacked
     copy is rebuilt in backward instead of being kept alive between forward and backward (lower peak memory).
     `tracked` are the tensors autograd connects this node to: all the weights, or with `direct` one of them (so the
     output requires grad) while backward writes every weight's gradient itself (see _moe_rewrite_direct_grads).
@@ -142,7 +145,8 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         stacked = _moe_rewrite_stack(weights, parts, x.dtype)
         ctx.kernel, ctx.parts, ctx.direct, ctx.weights = kernel, parts, direct, weights
         ctx.anchor = tracked[0] if direct and tracked else None
-        ctx.save_for_backward(x, offsets, stacked if keep_stacked else None)
+        # A fused parameter used as it is costs nothing to keep (autograd saves nn.Linear's weight the same way).
+        ctx.save_for_backward(x, offsets, stacked if keep_stacked or stacked is weights[0] else None)
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
     @staticmethod
@@ -165,8 +169,11 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         if weight_grads:
             # In the weights' own dtype (fp32 weights under autocast get fp32 gradients, as nn.Linear's do).
             grad_w = _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad").to(weights[0].dtype)
-            per_part = grad_w.view(len(weights) // ctx.parts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
-            grads = [g for part in per_part for g in part.unbind(0)]
+            if weights[0].dim() == 3:  # fused experts: the gradient of the one (E, out, in) parameter
+                grads = [grad_w]
+            else:
+                per_part = grad_w.view(len(weights) // ctx.parts, ctx.parts, -1, grad_w.shape[-1]).unbind(1)
+                grads = [g for part in per_part for g in part.unbind(0)]
             if ctx.direct:
                 _moe_rewrite_accumulate(weights, grads)
             else:
@@ -213,7 +220,7 @@ def _moe_rewrite_accumulate(weights, grads):
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, weights, parts):
     """_MoeRewriteGroupedLinear over `weights` (part 0 of every expert, then part 1, ...)."""
-    direct = _moe_rewrite_direct_grads(weights)
+    direct = weights[0].dim() == 2 and _moe_rewrite_direct_grads(weights)  # fused: one leaf, autograd is cheap
     if direct:
         tracked = [w for w in weights[:1] if w.requires_grad] or [w for w in weights if w.requires_grad][:1]
     else:
@@ -240,6 +247,89 @@ def _moe_rewrite_expert_weights(experts):
     ):
         return None
     return weights
+
+
+class _MoeRewriteFusedExperts(torch.nn.Module):
+    """The routed experts as two parameters, made by the MoE layer's moe_rewrite_fuse_experts():
+    gate_up_proj (E, 2 * intermediate, hidden) holds every expert's gate_proj then up_proj weight, down_proj
+    (E, hidden, intermediate) every expert's down_proj weight.
+
+    The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
+    3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
+    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() of a
+    model that is not sharded gives the original per-expert keys (experts.{i}.gate_proj.weight, ...), so
+    save_pretrained writes the checkpoint's own layout; load_state_dict accepts either layout.
+    """
+
+    def __init__(self, act_fn, gate_w, up_w, down_w):
+        super().__init__()
+        self.act_fn = act_fn
+        experts, (inter, hidden) = len(gate_w), gate_w[0].shape
+        first = gate_w[0]
+        with torch.no_grad():
+            gate_up = torch.empty(experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
+            down = torch.empty(experts, hidden, inter, dtype=first.dtype, device=first.device)
+            for i in range(experts):
+                gate_up[i, :inter].copy_(gate_w[i])
+                gate_up[i, inter:].copy_(up_w[i])
+                down[i].copy_(down_w[i])
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=first.requires_grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=first.requires_grad)
+        self._register_state_dict_hook(_moe_rewrite_expand_experts)
+        self._register_load_state_dict_pre_hook(_moe_rewrite_merge_experts, with_module=True)
+
+    def __len__(self):
+        return self.gate_up_proj.shape[0]
+
+    def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"expert {index} out of range for {len(self)} experts")
+        return _MoeRewriteFusedExpert(self, index % len(self))
+
+    def __iter__(self):
+        return (_MoeRewriteFusedExpert(self, i) for i in range(len(self)))
+
+    def extra_repr(self):
+        experts, double_inter, hidden = self.gate_up_proj.shape
+        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
+
+
+class _MoeRewriteFusedExpert:
+    """Expert `index` of fused experts, called like the expert MLP it replaced: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, experts, index):
+        self.experts, self.index = experts, index
+
+    def __call__(self, x):
+        experts = self.experts
+        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[self.index]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
+
+
+def _moe_rewrite_expand_experts(module, state_dict, prefix, local_metadata):
+    """state_dict hook of fused experts: the original per-expert keys, unless the model is sharded (FSDP, DTensor),
+    whose state-dict machinery expects the parameters' own names."""
+    gate_up, down = state_dict.get(prefix + "gate_up_proj"), state_dict.get(prefix + "down_proj")
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if type(gate_up) not in plain or type(down) not in plain or getattr(module, "_is_fsdp_managed_module", False):
+        return
+    del state_dict[prefix + "gate_up_proj"], state_dict[prefix + "down_proj"]
+    inter = down.shape[2]
+    with torch.no_grad():  # copies: views of one buffer would be taken for tied weights by checkpoint writers
+        for i in range(gate_up.shape[0]):
+            state_dict[f"{prefix}{i}.gate_proj.weight"] = gate_up[i, :inter].clone()
+            state_dict[f"{prefix}{i}.up_proj.weight"] = gate_up[i, inter:].clone()
+            state_dict[f"{prefix}{i}.down_proj.weight"] = down[i].clone()
+
+
+def _moe_rewrite_merge_experts(module, state_dict, prefix, *args):
+    """load_state_dict pre-hook of fused experts: per-expert keys, when all are there, become the fused parameters."""
+    names = [f"{prefix}{i}.{proj}.weight" for i in range(len(module)) for proj in ("gate_proj", "up_proj", "down_proj")]
+    if not all(name in state_dict for name in names):
+        return
+    tensors = [state_dict.pop(name) for name in names]
+    state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(names), 3)])
+    state_dict[prefix + "down_proj"] = torch.stack(tensors[2::3])
 
 
 def _moe_rewrite_combine(y, topk_ids, topk_weight):
@@ -311,29 +401,62 @@ class DeepseekV2MoE(nn.Module):
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x, dtype)
-        weights = _moe_rewrite_expert_weights(self.experts) if kernel != "loop" else None
-        if weights is None:
-            return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-        gate_w, up_w, down_w = weights
+        experts = self.experts
+        if kernel == "loop":
+            return _moe_rewrite_loop(experts, x, topk_ids, topk_weight)
+        if isinstance(experts, _MoeRewriteFusedExperts):  # after moe_rewrite_fuse_experts()
+            gate_up_w, down_w, act_fn = (experts.gate_up_proj,), (experts.down_proj,), experts.act_fn
+        else:
+            weights = _moe_rewrite_expert_weights(experts)
+            if weights is None:
+                return _moe_rewrite_loop(experts, x, topk_ids, topk_weight)
+            gate_up_w, down_w, act_fn = weights[0] + weights[1], weights[2], experts[0].act_fn
         flat_ids = topk_ids.reshape(-1)
         # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
         order = flat_ids.argsort(stable=True)
         # Cumulative row counts per expert, computed on the device: no host sync.
         offsets = torch.searchsorted(
-            flat_ids[order], torch.arange(len(gate_w), device=flat_ids.device), right=True
+            flat_ids[order], torch.arange(len(experts), device=flat_ids.device), right=True
         ).to(torch.int32)
         rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
         # "stack" keeps the stacked weights from forward to backward (fastest), except under torch.distributed, where
         # the weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-        gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_w + up_w, parts=2)
+        gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_up_w, parts=2)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = self.experts[0].act_fn(gate) * up
+        hidden = act_fn(gate) * up
         out = _moe_rewrite_linear(hidden, offsets, kernel, keep_stacked, down_w, parts=1)
         # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
         out = torch.empty_like(out).index_copy(0, order, out)
         return _moe_rewrite_combine(out, topk_ids, topk_weight)
+
+    def moe_rewrite_fuse_experts(self):
+        """Hold the routed experts' weights in two parameters instead of 3 * E nn.Linear weights (generated by
+        moe-rewrite; see _MoeRewriteFusedExperts): faster training, most of all under FSDP.
+
+        Call it once the weights are loaded and before the model is wrapped (FSDP, DDP, DeepSpeed) or handed to an
+        optimizer; moe_rewrite.training.fuse_experts(model) does it for every layer. Returns the fused experts; calling
+        it again does nothing. Outputs, gradients and saved checkpoints (per-expert keys) stay the same.
+        """
+        experts = self.experts
+        if isinstance(experts, _MoeRewriteFusedExperts):
+            return experts
+        if self.ep_size > 1:
+            raise NotImplementedError("moe-rewrite: fused experts do not support expert parallelism (ep_size > 1) yet")
+        weights = _moe_rewrite_expert_weights(experts)
+        if weights is None:
+            raise RuntimeError(
+                "moe-rewrite: only experts made of plain, whole nn.Linear layers can be fused (not LoRA adapters, "
+                "quantized layers or DeepSpeed ZeRO-3 partitions)"
+            )
+        flat = [w for part in weights for w in part]
+        if getattr(self, "_is_fsdp_managed_module", False) or any(type(w) is not torch.nn.Parameter for w in flat):
+            raise RuntimeError("moe-rewrite: fuse the experts before wrapping the model (FSDP, DDP, DeepSpeed)")
+        if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
+            raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
+        self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
+        return self.experts
 
     @torch.no_grad()
     def moe_infer(self, x, topk_ids, topk_weight):

@@ -1,0 +1,234 @@
+"""Fused experts (moe_rewrite_fuse_experts / moe_rewrite.training.fuse_experts): the routed experts held in two
+parameters train, evaluate, save and load exactly like the per-expert nn.Linear layers they replace."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import build_model, model_module, patched_checkpoint  # noqa: E402
+from test_training import REL, expert_params, moe_layer, reference_moe, rel_err  # noqa: E402
+
+from moe_rewrite.training import fuse_experts  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def form(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory, form):
+    return patched_checkpoint(tmp_path_factory, form)
+
+
+def fused_grads(moe) -> dict[str, torch.Tensor]:
+    """The fused parameters' gradients under the per-expert names of expert_params()."""
+    experts = moe.experts
+    inter = experts.down_proj.shape[2]
+    grads = {}
+    for i in range(len(experts)):
+        grads[f"experts.{i}.gate_proj.weight"] = experts.gate_up_proj.grad[i, :inter]
+        grads[f"experts.{i}.up_proj.weight"] = experts.gate_up_proj.grad[i, inter:]
+        grads[f"experts.{i}.down_proj.weight"] = experts.down_proj.grad[i]
+    return grads
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (1, 1)], ids=["batch", "single-token"])
+def test_fused_experts_train_like_the_per_expert_reference(patched, form, shape):
+    model = build_model(patched, seed=int(torch.randint(0, 10**6, ())))
+    moe = moe_layer(model).train()
+    x = torch.randn(*shape, model.config.hidden_size, requires_grad=True)
+    ref_y, ref, x64, aux = reference_moe(moe, x)  # from the per-expert layers, before fusing
+    assert fuse_experts(model) == sum(hasattr(layer.mlp, "moe_train") for layer in model.model.layers)
+    assert type(moe.experts).__name__ == "_MoeRewriteFusedExperts"
+    assert [n for n, _ in moe.experts.named_parameters()] == ["gate_up_proj", "down_proj"]
+    y = moe(x)
+    assert rel_err(y, ref_y) < REL
+    probe = torch.randn_like(y)
+    (y * probe).sum().backward()
+    ref_loss = (ref_y * probe.double()).sum()
+    if aux is not None:  # V2: AddAuxiliaryLoss feeds a gradient of 1 to the aux loss
+        ref_loss = ref_loss + aux
+    ref_loss.backward()
+    assert rel_err(x.grad, x64.grad) < REL
+    grads = fused_grads(moe)
+    for name, r in expert_params(ref).items():
+        grad = grads[name] if name in grads else dict(moe.named_parameters())[name].grad
+        if r.grad is None:  # an expert with no tokens: zero gradient, like the loop's
+            assert torch.count_nonzero(grad) == 0, name
+        else:
+            assert rel_err(grad, r.grad) < REL, name
+
+
+def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form, tmp_path):
+    original = build_model(patched, seed=3)
+    model = copy.deepcopy(original)
+    fuse_experts(model)
+    assert fuse_experts(model) > 0  # a second call changes nothing
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    original.eval(), model.eval()
+    with torch.no_grad():  # eval runs moe_infer, which calls the fused experts one by one
+        assert rel_err(model(input_ids=ids).logits, original(input_ids=ids).logits) < REL
+    original.train(), model.train()
+    assert rel_err(model(input_ids=ids, labels=ids).loss, original(input_ids=ids, labels=ids).loss) < REL
+    # The checkpoint layout is the original one: same keys, same values, loadable without fusing.
+    state = model.state_dict()
+    assert list(state) == list(original.state_dict())
+    for key, value in original.state_dict().items():
+        assert torch.equal(state[key], value), key
+    model.save_pretrained(tmp_path)  # writes the original per-expert tensors, each its own (no shared storage)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved.keys() == original.state_dict().keys()
+    reloaded = build_model(patched, seed=4).eval()
+    reloaded.load_state_dict(saved, strict=True)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, original.eval()(input_ids=ids).logits)
+    # Either layout loads into a fused model.
+    fresh = build_model(patched, seed=5)
+    fuse_experts(fresh)
+    fresh.load_state_dict(original.state_dict(), strict=True)
+    moe, fresh_moe = moe_layer(model), moe_layer(fresh)
+    assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj)
+    assert torch.equal(fresh_moe.experts.down_proj, moe.experts.down_proj)
+    fresh_moe.experts.load_state_dict({"gate_up_proj": moe.experts.gate_up_proj * 2, "down_proj": moe.experts.down_proj})
+    assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj * 2)
+
+
+def test_fused_experts_index_like_a_module_list(tmp_path_factory):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3")))
+    per_expert = list(copy.deepcopy(moe.experts))
+    experts = moe.moe_rewrite_fuse_experts()
+    assert experts is moe.experts and len(experts) == len(per_expert)
+    x = torch.randn(4, moe.config.hidden_size)
+    for fused, original in zip(list(experts), per_expert):
+        assert rel_err(fused(x), original(x)) < REL
+    assert rel_err(experts[-1](x), per_expert[-1](x)) < REL
+    with pytest.raises(IndexError):
+        experts[len(per_expert)]
+
+
+def test_fused_experts_with_the_loop_and_autocast(tmp_path_factory, monkeypatch):
+    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    reference = copy.deepcopy(moe)
+    moe.moe_rewrite_fuse_experts()
+    x = torch.randn(12, moe.config.hidden_size)
+    ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(12)])
+    w = torch.rand(12, 2)
+    expected = reference.moe_train(x, ids, w)
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
+    assert rel_err(moe.moe_train(x, ids, w), expected) < REL
+    monkeypatch.delenv("MOE_REWRITE_BACKEND")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = moe.moe_train(x, ids, w), reference.moe_train(x, ids, w)
+    assert y.dtype == torch.float32 and rel_err(y, y_ref) < 1e-2
+    y.sum().backward()
+    assert moe.experts.gate_up_proj.grad.dtype == torch.float32  # fp32 master weights keep fp32 gradients
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
+def test_fused_experts_on_the_torch_grouped_mm_kernel(tmp_path_factory, monkeypatch):
+    """The GPU production path, torch._grouped_mm, run on CPU in bf16 on the fused parameters, with empty experts."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
+    moe = moe_layer(model).train()
+    ref = copy.deepcopy(moe).double()
+    moe.moe_rewrite_fuse_experts()
+    monkeypatch.setattr(model_module(moe), "_moe_rewrite_kernel", lambda x, dtype: "torch")
+    n = 16
+    x = torch.randn(n, moe.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.stack([torch.tensor([1, 6])[torch.randperm(2)] for _ in range(n)])  # the other experts get nothing
+    w = torch.rand(n, 2)
+    y = moe.moe_train(x, ids, w)
+    x64 = x.detach().double().requires_grad_(True)
+    ref_y = torch.zeros_like(x64)
+    for i, expert in enumerate(ref.experts):
+        token, slot = (ids == i).nonzero(as_tuple=True)
+        ref_y = ref_y.index_add(0, token, w.double()[token, slot, None] * expert(x64[token]))
+    assert rel_err(y, ref_y) < 1e-2
+    probe = torch.randn(n, moe.config.hidden_size)
+    (y * probe).sum().backward()
+    (ref_y * probe.double()).sum().backward()
+    assert rel_err(x.grad, x64.grad) < 2e-2
+    grads = fused_grads(moe)
+    for name, r in expert_params(ref).items():
+        if not name.startswith("experts."):
+            continue
+        if name.split(".")[1] in ("1", "6"):
+            assert rel_err(grads[name], r.grad) < 2e-2, name
+        else:
+            assert torch.count_nonzero(grads[name]) == 0 and not torch.isnan(grads[name]).any(), name
+
+
+def test_fusing_what_cannot_be_fused_is_refused(tmp_path_factory):
+    class DoubledLinear(torch.nn.Linear):
+        pass
+
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"))
+    moe = moe_layer(model)
+    old = moe.experts[2].up_proj
+    moe.experts[2].up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(RuntimeError, match="plain, whole nn.Linear"):
+        moe.moe_rewrite_fuse_experts()
+    moe.experts[2].up_proj = old
+    moe.experts[1].down_proj.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        moe.moe_rewrite_fuse_experts()
+    with pytest.raises(ValueError, match="moe_rewrite_fuse_experts"):
+        fuse_experts(torch.nn.Linear(2, 2))
+
+
+def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = build_model(ckpt, seed=11).train()
+    fuse_experts(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    moe = moe_layer(model)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(300 + rank))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in moe.experts.named_parameters()}
+    try:
+        moe.moe_rewrite_fuse_experts()  # already fused: nothing to do
+        type(moe).moe_rewrite_fuse_experts(moe_layer(build_model(ckpt)))  # a plain one still fuses
+        refused = ""
+        other = build_model(ckpt)
+        fully_shard(other)
+        moe_layer(other).moe_rewrite_fuse_experts()
+    except RuntimeError as error:
+        refused = str(error)
+    torch.save({"loss": loss.detach(), "grads": grads, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    torch.multiprocessing.spawn(_fsdp2_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all("before wrapping" in r["refused"] for r in results)
+    model = build_model(ckpt, seed=11).train()  # one process, per-expert layers: the mean of the two ranks' losses
+    losses = [
+        model(input_ids=ids, labels=ids).loss
+        for ids in (torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(300 + r)) for r in range(2))
+    ]
+    ((losses[0] + losses[1]) / 2).backward()
+    for r in range(2):
+        assert rel_err(results[r]["loss"], losses[r]) < REL
+    expected = {
+        "gate_up_proj": torch.stack([torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe_layer(model).experts]),
+        "down_proj": torch.stack([e.down_proj.weight.grad for e in moe_layer(model).experts]),
+    }
+    for name, grad in expected.items():
+        assert rel_err(results[0]["grads"][name], grad) < REL, name
+        assert torch.equal(results[0]["grads"][name], results[1]["grads"][name]), name
