@@ -41,7 +41,9 @@ def busy_summary(events, step_times: list[float]) -> str:
                 end = b
         return total
 
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # GPU-side user annotations (FSDP's record_function ranges) mirror a CPU event's name; kernels do not.
+    cpu_names = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names]
     comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     wall_ms = sum(step_times) * 1e3
