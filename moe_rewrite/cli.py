@@ -107,11 +107,14 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).")
 @click.option("--gradient-checkpointing", is_flag=True,
               help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
+@click.option("--fuse-experts", is_flag=True,
+              help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
+                   "all under FSDP; for full fine-tuning (LoRA cannot target fused experts). Checkpoints keep their keys.")
 @click.option("--skip-unrecognised", is_flag=True,
               help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(specs, out, in_place, check, diff, revision, token, backend, stacking, aux_loss, bias_update,
-            gradient_checkpointing, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
+            gradient_checkpointing, fuse_experts, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
             push_revision) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
@@ -126,6 +129,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         aux_loss=aux_loss,
         bias_update=bias_update,
         gradient_checkpointing=gradient_checkpointing,
+        fuse_experts=fuse_experts,
     )
     if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")

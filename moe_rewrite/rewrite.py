@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import checkpointing, gate, moe_forward
+from moe_rewrite.codemods import checkpointing, fused_experts, gate, moe_forward
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
@@ -32,6 +32,7 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
     if info.form == "v3":
         module = gate.transform(module, info.gate_class)
     module = checkpointing.transform(module, options.gradient_checkpointing)
+    module = fused_experts.transform(module, options.fuse_experts)
     new_text = module.code
     return RewriteResult(
         text=new_text,

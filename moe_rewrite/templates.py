@@ -17,6 +17,8 @@ METHOD_TEMPLATE = "moe_train_method.py"
 AUX_LOSS_TEMPLATE = "aux_loss_block.py"
 BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
 CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
+FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
+FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
 
 
 def _template_dir() -> Path:
@@ -60,8 +62,15 @@ def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) ->
         body += _render(AUX_LOSS_TEMPLATE, module)
     if options.gradient_checkpointing:
         body += _render(CHECKPOINTING_TEMPLATE, module)
+    if options.fuse_experts:
+        body += _render(FUSED_EXPERTS_TEMPLATE, module)
     body[0] = body[0].with_changes(leading_lines=banner_lines(moe_class, options))
     return body
+
+
+def render_model_methods(module: cst.Module) -> list[cst.FunctionDef]:
+    """The from_pretrained / _from_config overrides of --fuse-experts."""
+    return _methods(FUSED_EXPERTS_METHODS, module)
 
 
 def _methods(name: str, module: cst.Module) -> list[cst.FunctionDef]:

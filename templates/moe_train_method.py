@@ -67,6 +67,8 @@ class MoE:
         flat = [w for part in weights for w in part]
         if getattr(self, "_is_fsdp_managed_module", False) or any(type(w) is not torch.nn.Parameter for w in flat):
             raise RuntimeError("moe-rewrite: fuse the experts before wrapping the model (FSDP, DDP, DeepSpeed)")
+        if any(hasattr(m, "_hf_hook") for m in experts.modules()):
+            raise RuntimeError("moe-rewrite: experts dispatched or offloaded by accelerate (device_map) are not fused")
         if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
         self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)

@@ -232,3 +232,40 @@ def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path)
     for name, grad in expected.items():
         assert rel_err(results[0]["grads"][name], grad) < REL, name
         assert torch.equal(results[0]["grads"][name], results[1]["grads"][name]), name
+
+
+def test_fuse_experts_option_loads_every_model_fused(tmp_path_factory, form, monkeypatch):
+    """--fuse-experts: from_pretrained and from_config give fused experts, with the checkpoint's weights and keys."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import FORM_DIRS
+
+    out = patched_checkpoint(tmp_path_factory, form, "--fuse-experts")
+    original = build_model(FORM_DIRS[form], seed=6).eval()
+    original.save_pretrained(out)  # the stand-in's weights next to the patched code
+    assert (out / "modeling_deepseek.py").read_text().count("_moe_rewrite_fuse_model(") == 3
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, torch_dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
+    assert moes and all(type(moe.experts).__name__ == "_MoeRewriteFusedExperts" for moe in moes)
+    assert list(model.state_dict()) == list(original.state_dict())
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert rel_err(model.eval()(input_ids=ids).logits, original(input_ids=ids).logits) < REL
+    assert type(moe_layer(build_model(out)).experts).__name__ == "_MoeRewriteFusedExperts"  # from_config
+    monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
+    assert type(moe_layer(build_model(out)).experts).__name__ == "ModuleList"
+
+
+def test_fuse_experts_option_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_factory, monkeypatch):
+    out = patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts")
+    monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
+    model = build_model(out)
+    monkeypatch.delenv("MOE_REWRITE_FUSE_EXPERTS")
+    moe = moe_layer(model)
+    moe.experts[0].gate_proj = torch.nn.Identity()  # stands in for a quantized or adapter-wrapped projection
+    with pytest.warns(UserWarning, match="1 MoE layers keep per-expert weights .*plain, whole nn.Linear"):
+        model_module(model)._moe_rewrite_fuse_model(model)
+    assert isinstance(moe.experts, torch.nn.ModuleList)

@@ -212,10 +212,12 @@ def test_router_options_are_refused_for_the_v2_form(tmp_path):
 
 
 def test_options_regenerate_and_revert(tmp_path_factory):
-    out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS)
+    out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS, "--fuse-experts")
     patched = (out / "modeling_deepseek.py").read_text()
     assert "def moe_rewrite_update_bias(self):" in patched and "_moe_rewrite_checkpoint_layer(" in patched
-    assert '"bias_update": 0.05' in patched and "aux-loss, bias-update=0.05, gradient-checkpointing" in patched
+    assert "def from_pretrained(cls, *args, **kwargs):" in patched and "def _moe_rewrite_fuse_model(model):" in patched
+    assert '"bias_update": 0.05' in patched
+    assert "aux-loss, bias-update=0.05, gradient-checkpointing, fuse-experts" in patched
     code, _, err = run_cli(out / "modeling_deepseek.py", "--in-place")
     assert code == 1, err
     reverted = (out / "modeling_deepseek.py").read_text()

@@ -12,20 +12,21 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 STEPS=${STEPS:-8}
 rm -rf /tmp/e2e && mkdir -p /tmp/e2e
-# Baseline: the naive per-expert loop; candidate: the defaults, then the defaults with fused experts
-# (moe_rewrite.training.fuse_experts before wrapping). All with --gradient-checkpointing, so that
+# Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus --fuse-experts (models load
+# with each layer's experts in two parameters). All with --gradient-checkpointing, so that
 # gradient_checkpointing_enable() works in the V3 form.
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing
-run() {  # impl fsdp tag [extra args...]
-  local impl=$1 fsdp=$2 tag=$3; shift 3
-  torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$impl" --impl "$impl" \
-    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${fsdp}_${impl}${tag}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
+python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite-fused --gradient-checkpointing --fuse-experts
+run() {  # impl checkpoint-dir fsdp [extra args...]
+  local impl=$1 dir=$2 fsdp=$3; shift 3
+  torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$dir" --impl "$impl" \
+    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${fsdp}_${dir}${1:+_nockpt}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
 }
 for fsdp in fsdp2 fsdp1; do
-  run naive-loop $fsdp ""
-  run moe-rewrite $fsdp ""
-  run moe-rewrite $fsdp _fused --fuse-experts
+  run naive-loop naive-loop $fsdp
+  run moe-rewrite moe-rewrite $fsdp
+  run moe-rewrite moe-rewrite-fused $fsdp
 done
-run moe-rewrite fsdp2 _fused_nockpt --fuse-experts --no-grad-ckpt
+run moe-rewrite moe-rewrite-fused fsdp2 --no-grad-ckpt
 python3 bench/e2e/report.py "$OUT" "$NPROC"

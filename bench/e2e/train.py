@@ -67,7 +67,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--no-grad-ckpt", action="store_true")
-    parser.add_argument("--fuse-experts", action="store_true", help="moe_rewrite.training.fuse_experts before wrapping")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
     parser.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation (both)")
@@ -93,10 +92,8 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     with device:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
-    if args.fuse_experts:
-        from moe_rewrite.training import fuse_experts
-
-        fuse_experts(model)
+    # Files rewritten with --fuse-experts build the model with fused experts (two parameters per MoE layer).
+    fused = any(type(m).__name__ == "_MoeRewriteFusedExperts" for m in model.modules())
     grad_ckpt = not args.no_grad_ckpt
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -114,8 +111,10 @@ def main() -> None:
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
         model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None)
-    fused = args.adamw == "fused" and cuda
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused, foreach=not fused)
+    fused_adamw = args.adamw == "fused" and cuda
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused_adamw, foreach=not fused_adamw
+    )
 
     def batch(step: int, micro: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
@@ -165,7 +164,7 @@ def main() -> None:
         row = dict(
             impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
-            gradient_checkpointing=grad_ckpt, fused_experts=args.fuse_experts, step_times_s=[round(t, 4) for t in times],
+            gradient_checkpointing=grad_ckpt, fused_experts=fused, step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
             json.dump(row, f)
