@@ -48,10 +48,15 @@ def busy_summary(events, step_times: list[float]) -> str:
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     wall_ms = sum(step_times) * 1e3
     ms = lambda us: us / 1e3  # noqa: E731
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:30]
+    lines = [f"{ms(sum(t)):9.2f} ms {len(t):6d} x  {name[:150]}" for name, t in top]
     return (
         f"profiled steps wall {wall_ms:.1f} ms; GPU compute busy {ms(union(compute)):.1f} ms; "
         f"communication {ms(union(comm)):.1f} ms; compute or communication {ms(union(compute + comm)):.1f} ms; "
-        f"{len(compute)} compute kernels"
+        f"{len(compute)} compute kernels\nkernels by total time:\n" + "\n".join(lines)
     )
 
 
