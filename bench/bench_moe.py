@@ -121,6 +121,8 @@ def flatten_experts(moe):
 def grads_of(impl, moe, peer, x):
     if impl == "transformers-grouped_mm":
         gu, d = peer.gate_up_proj.grad, peer.down_proj.grad
+    elif impl == "moe-rewrite[fused]":
+        gu, d = moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad
     else:
         gu = torch.stack([torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe.experts])
         d = torch.stack([e.down_proj.weight.grad for e in moe.experts])
@@ -250,11 +252,22 @@ def main():
                               {"MOE_REWRITE_BACKEND": kernel, "stacking": stacking}))
         impls.append(("moe-rewrite[torch,stack,flat-params]", lambda x, i, w: moe_rewrite(moe, x, i, w), {"flat": True}))
         impls.append(("transformers-grouped_mm", None, {}))
+        impls.append(("moe-rewrite[fused]", lambda x, i, w: moe_rewrite(moe, x, i, w), {"fused": True}))
 
         ref = None
         peer = None
         to_profile = []
         for impl, fn, env in impls:
+            if env.get("fused"):  # last, as fusing is irreversible
+                os.environ.pop("MOE_REWRITE_BACKEND", None)
+                modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
+                for p in moe.parameters():  # undo flatten_experts: profile the default layout
+                    p.data = p.data.clone()
+                for impl_, fn_, peer_ in to_profile:  # the profiler's hooks must not slow down the timed rows
+                    profile(fn_, data, moe, peer_, out_dir / f"profile_{name}_{impl_}.txt")
+                to_profile, peer = [], None
+                torch.cuda.empty_cache()
+                moe.moe_rewrite_fuse_experts()
             if impl == "transformers-grouped_mm":
                 peer, what = build_peer(cfg, moe)
                 notes.append(f"{name}: transformers-grouped_mm = {what}")
@@ -282,13 +295,11 @@ def main():
                        max_rel_err=float(f"{err:.2e}"))
             rows.append(row)
             print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
-            if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm"):
+            if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm", "moe-rewrite[fused]"):
                 to_profile.append((impl, fn, peer))
         os.environ.pop("MOE_REWRITE_BACKEND", None)
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
-        for p in moe.parameters():  # undo flatten_experts: profile the default layout
-            p.data = p.data.clone()
-        for impl, fn, peer_ in to_profile:  # last: the profiler's hooks must not slow down the timed rows
+        for impl, fn, peer_ in to_profile:
             profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{impl}.txt")
         os.environ.pop("MOE_REWRITE_BACKEND", None)
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
