@@ -12,7 +12,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 STEPS=${STEPS:-8}
 rm -rf /tmp/e2e && mkdir -p /tmp/e2e
-# Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus --fuse-experts (models load
+# Gradients are reduced after the last of the --accum micro-batches only (as accelerate does; --sync-each-micro-batch
+# reduces after every one). Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus --fuse-experts (models load
 # with each layer's experts in two parameters). All with --gradient-checkpointing, so that
 # gradient_checkpointing_enable() works in the V3 form.
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing

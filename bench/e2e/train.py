@@ -10,6 +10,7 @@ with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--no-grad-ckpt", action="store_true")
+    parser.add_argument("--sync-each-micro-batch", action="store_true",
+                        help="reduce-scatter gradients after every micro-batch, not only the last one")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
     parser.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation (both)")
@@ -142,8 +145,13 @@ def main() -> None:
         total = torch.zeros((), device=device)
         for micro in range(args.accum):
             ids = batch(step, micro)
-            loss = model(input_ids=ids, labels=ids).loss / args.accum
-            loss.backward()
+            # As accelerate's gradient accumulation does: gradients are reduced once, after the last micro-batch.
+            sync = args.sync_each_micro_batch or micro == args.accum - 1
+            if args.fsdp == "fsdp2":
+                model.set_requires_gradient_sync(sync)
+            with contextlib.nullcontext() if sync or args.fsdp == "fsdp2" else model.no_sync():
+                loss = model(input_ids=ids, labels=ids).loss / args.accum
+                loss.backward()
             total += loss.detach().float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -169,7 +177,8 @@ def main() -> None:
         row = dict(
             impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
-            gradient_checkpointing=grad_ckpt, fused_experts=fused, step_times_s=[round(t, 4) for t in times],
+            gradient_checkpointing=grad_ckpt, fused_experts=fused, accum=args.accum,
+            sync_each_micro_batch=args.sync_each_micro_batch, step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
             json.dump(row, f)
