@@ -91,6 +91,16 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
     reloaded.load_state_dict(saved, strict=True)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, original.eval()(input_ids=ids).logits)
+    # A state dict with the parameters' own (fused) names, as FSDP's full state dicts have: unfused for saving.
+    from moe_rewrite.training import unfuse_state_dict
+
+    own_names = {name: p.detach() for name, p in model.named_parameters()}
+    assert any(name.endswith("experts.gate_up_proj") for name in own_names)
+    unfused = unfuse_state_dict(own_names)
+    params_only = {k: v for k, v in original.state_dict().items() if k in dict(original.named_parameters())}
+    assert sorted(unfused) == sorted(params_only)
+    for key, value in params_only.items():
+        assert torch.equal(unfused[key], value), key
     # Either layout loads into a fused model.
     fresh = build_model(patched, seed=5)
     fuse_experts(fresh)

@@ -16,7 +16,7 @@ result = {
     "device": f"{nproc} x {torch.cuda.get_device_name()}",
     "date": time.strftime("%Y-%m-%d"),
     "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-    "command": f"NPROC={nproc} bash bench/e2e/run.sh",
+    "command": (f"STEPS={os.environ['STEPS']} " if os.environ.get("STEPS") else "") + f"NPROC={nproc} bash bench/e2e/run.sh",
     "torch": torch.__version__,
     "rows": rows,
 }

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-14}
 rm -rf /tmp/e2e && mkdir -p /tmp/e2e
 # Gradients are reduced after the last of the --accum micro-batches only (as accelerate does; --sync-each-micro-batch
 # reduces after every one). Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus --fuse-experts (models load
@@ -30,4 +30,4 @@ for fsdp in fsdp2 fsdp1; do
   run moe-rewrite moe-rewrite-fused $fsdp
 done
 run moe-rewrite moe-rewrite-fused fsdp2 --no-grad-ckpt
-python3 bench/e2e/report.py "$OUT" "$NPROC"
+STEPS=$STEPS python3 bench/e2e/report.py "$OUT" "$NPROC"
