@@ -75,6 +75,27 @@ def expert_params(moe):
     return named
 
 
+def assert_matches_reference(y, x, reference, grads_of) -> None:
+    """Output y of the layer for x, then its gradients after backward through a random probe, against
+    reference = reference_moe(...); grads_of() maps every name of expert_params() to the layer's gradient."""
+    ref_y, ref, x64, aux = reference
+    assert rel_err(y, ref_y) < REL
+    probe = torch.randn_like(y)
+    (y * probe).sum().backward()
+    ref_loss = (ref_y * probe.double()).sum()
+    if aux is not None:  # V2: AddAuxiliaryLoss feeds a gradient of 1 to the aux loss
+        ref_loss = ref_loss + aux
+    ref_loss.backward()
+    assert rel_err(x.grad, x64.grad) < REL
+    grads = grads_of()
+    for name, r in expert_params(ref).items():
+        assert not torch.isnan(grads[name]).any(), name
+        if r.grad is None:  # an expert with no tokens: zero gradient, like the loop's
+            assert torch.count_nonzero(grads[name]) == 0, name
+        else:
+            assert rel_err(grads[name], r.grad) < REL, name
+
+
 def test_patched_checkpoint_loads_original_weights_strictly_and_eval_is_unchanged(patched, form):
     original = build_model(FORM_DIRS[form], seed=1)
     model = build_model(patched, seed=2)
@@ -111,22 +132,8 @@ def test_train_output_and_gradients_match_per_expert_reference(patched, form, sh
     moe = moe_layer(model).train()
     x = torch.randn(*shape, model.config.hidden_size, requires_grad=True)
     y = moe(x)
-    ref_y, ref, x64, aux = reference_moe(moe, x)
-    assert rel_err(y, ref_y) < REL
-    probe = torch.randn_like(y)
-    (y * probe).sum().backward()
-    ref_loss = (ref_y * probe.double()).sum()
-    if aux is not None:  # V2: AddAuxiliaryLoss feeds a gradient of 1 to the aux loss
-        ref_loss = ref_loss + aux
-    ref_loss.backward()
-    assert rel_err(x.grad, x64.grad) < REL
-    ref_params = expert_params(ref)
-    for name, p in expert_params(moe).items():
-        assert not torch.isnan(p.grad).any(), name
-        if ref_params[name].grad is None:  # an expert with no tokens: zero gradient, like the loop's
-            assert torch.count_nonzero(p.grad) == 0, name
-        else:
-            assert rel_err(p.grad, ref_params[name].grad) < REL, name
+    reference = reference_moe(moe, x)
+    assert_matches_reference(y, x, reference, lambda: {name: p.grad for name, p in expert_params(moe).items()})
 
 
 def test_v2_aux_loss_gradient_reaches_the_router(tmp_path_factory):
