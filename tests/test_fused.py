@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import build_model, model_module, patched_checkpoint  # noqa: E402
-from test_training import REL, assert_matches_reference, expert_params, moe_layer, reference_moe, rel_err  # noqa: E402
+from test_training import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
 
 from moe_rewrite.training import fuse_experts  # noqa: E402
 
@@ -25,18 +25,6 @@ def form(request):
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory, form):
     return patched_checkpoint(tmp_path_factory, form)
-
-
-def fused_grads(moe) -> dict[str, torch.Tensor]:
-    """The fused parameters' gradients under the per-expert names of expert_params()."""
-    experts = moe.experts
-    inter = experts.down_proj.shape[2]
-    grads = {}
-    for i in range(len(experts)):
-        grads[f"experts.{i}.gate_proj.weight"] = experts.gate_up_proj.grad[i, :inter]
-        grads[f"experts.{i}.up_proj.weight"] = experts.gate_up_proj.grad[i, inter:]
-        grads[f"experts.{i}.down_proj.weight"] = experts.down_proj.grad[i]
-    return grads
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (1, 1)], ids=["batch", "single-token"])
@@ -128,39 +116,6 @@ def test_fused_experts_with_the_loop_and_autocast(tmp_path_factory, monkeypatch)
     assert y.dtype == torch.float32 and rel_err(y, y_ref) < 1e-2
     y.sum().backward()
     assert moe.experts.gate_up_proj.grad.dtype == torch.float32  # fp32 master weights keep fp32 gradients
-
-
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
-def test_fused_experts_on_the_torch_grouped_mm_kernel(tmp_path_factory, monkeypatch):
-    """The GPU production path, torch._grouped_mm, run on CPU in bf16 on the fused parameters, with empty experts."""
-    model = build_model(patched_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
-    moe = moe_layer(model).train()
-    ref = copy.deepcopy(moe).double()
-    moe.moe_rewrite_fuse_experts()
-    monkeypatch.setattr(model_module(moe), "_moe_rewrite_kernel", lambda x, dtype: "torch")
-    n = 16
-    x = torch.randn(n, moe.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.stack([torch.tensor([1, 6])[torch.randperm(2)] for _ in range(n)])  # the other experts get nothing
-    w = torch.rand(n, 2)
-    y = moe.moe_train(x, ids, w)
-    x64 = x.detach().double().requires_grad_(True)
-    ref_y = torch.zeros_like(x64)
-    for i, expert in enumerate(ref.experts):
-        token, slot = (ids == i).nonzero(as_tuple=True)
-        ref_y = ref_y.index_add(0, token, w.double()[token, slot, None] * expert(x64[token]))
-    assert rel_err(y, ref_y) < 1e-2
-    probe = torch.randn(n, moe.config.hidden_size)
-    (y * probe).sum().backward()
-    (ref_y * probe.double()).sum().backward()
-    assert rel_err(x.grad, x64.grad) < 2e-2
-    grads = fused_grads(moe)
-    for name, r in expert_params(ref).items():
-        if not name.startswith("experts."):
-            continue
-        if name.split(".")[1] in ("1", "6"):
-            assert rel_err(grads[name], r.grad) < 2e-2, name
-        else:
-            assert torch.count_nonzero(grads[name]) == 0 and not torch.isnan(grads[name]).any(), name
 
 
 def test_fusing_what_cannot_be_fused_is_refused(tmp_path_factory):

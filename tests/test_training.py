@@ -394,13 +394,26 @@ def test_one_wrapped_expert_sends_the_layer_through_the_loop(tmp_path_factory):
     assert rel_err(moe.moe_train(x, ids, w), expected) < REL
 
 
+def fused_grads(moe) -> dict:
+    """Fused experts' gradients under the per-expert names of expert_params()."""
+    experts = moe.experts
+    inter = experts.down_proj.shape[2]
+    grads = {}
+    for i in range(len(experts)):
+        grads[f"experts.{i}.gate_proj.weight"] = experts.gate_up_proj.grad[i, :inter]
+        grads[f"experts.{i}.up_proj.weight"] = experts.gate_up_proj.grad[i, inter:]
+        grads[f"experts.{i}.down_proj.weight"] = experts.down_proj.grad[i]
+    return grads
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
-@pytest.mark.parametrize("layout", ["separate", "flat"])
+@pytest.mark.parametrize("layout", ["separate", "flat", "fused"])
 def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeypatch, layout):
-    """The GPU production path, torch._grouped_mm, run on CPU in bf16: transposes, int32 offsets, empty experts."""
+    """The GPU production path, torch._grouped_mm, run on CPU in bf16: transposes, int32 offsets, empty experts; with
+    the experts' own weights, the weights in one flat buffer (FSDP1), and fused experts."""
     model = build_model(patched_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
     moe = moe_layer(model).train()
-    module = model_module(moe)
+    ref = copy.deepcopy(moe).double()
     if layout == "flat":
         params = [p for e in moe.experts for p in e.parameters()]
         flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -408,13 +421,14 @@ def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeyp
         for p in params:
             p.data = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-    monkeypatch.setattr(module, "_moe_rewrite_kernel", lambda x, dtype: "torch")
+    if layout == "fused":
+        moe.moe_rewrite_fuse_experts()
+    monkeypatch.setattr(model_module(moe), "_moe_rewrite_kernel", lambda x, dtype: "torch")
     n = 16
     x = torch.randn(n, moe.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     ids = torch.stack([torch.tensor([1, 6])[torch.randperm(2)] for _ in range(n)])  # experts 0, 2-5, 7 get nothing
     w = torch.rand(n, 2)
     y = moe.moe_train(x, ids, w)
-    ref = copy.deepcopy(moe).double()
     x64 = x.detach().double().requires_grad_(True)
     ref_y = torch.zeros_like(x64)
     for i, expert in enumerate(ref.experts):
@@ -425,10 +439,11 @@ def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeyp
     (y * probe).sum().backward()
     (ref_y * probe.double()).sum().backward()
     assert rel_err(x.grad, x64.grad) < 2e-2
-    for i, (e, r) in enumerate(zip(moe.experts, ref.experts)):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            grad = getattr(e, proj).weight.grad
-            if i in (1, 6):
-                assert rel_err(grad, getattr(r, proj).weight.grad) < 2e-2
-            else:
-                assert torch.count_nonzero(grad) == 0 and not torch.isnan(grad).any()
+    grads = fused_grads(moe) if layout == "fused" else {k: p.grad for k, p in expert_params(moe).items()}
+    for name, r in expert_params(ref).items():
+        if not name.startswith("experts."):
+            continue
+        if name.split(".")[1] in ("1", "6"):
+            assert rel_err(grads[name], r.grad) < 2e-2, name
+        else:
+            assert torch.count_nonzero(grads[name]) == 0 and not torch.isnan(grads[name]).any(), name
