@@ -12,19 +12,18 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import build_model, model_module, patched_checkpoint  # noqa: E402
-from test_training import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
+from test_training import (  # noqa: E402, F401 (form and patched are the per-form fixtures)
+    REL,
+    assert_matches_reference,
+    form,
+    fused_grads,
+    moe_layer,
+    patched,
+    reference_moe,
+    rel_err,
+)
 
 from moe_rewrite.training import fuse_experts  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=["v3", "v2"])
-def form(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def patched(tmp_path_factory, form):
-    return patched_checkpoint(tmp_path_factory, form)
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (1, 1)], ids=["batch", "single-token"])
