@@ -32,7 +32,7 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
     if info.form == "v3":
         module = gate.transform(module, info.gate_class)
     module = checkpointing.transform(module, options.gradient_checkpointing)
-    module = fused_experts.transform(module, options.fuse_experts)
+    module = fused_experts.transform(module, options)
     new_text = module.code
     return RewriteResult(
         text=new_text,

@@ -19,6 +19,7 @@ BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
 CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
 FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
 FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
+SAVE_PRETRAINED_METHOD = "save_pretrained_method.py"
 
 
 def _template_dir() -> Path:
@@ -58,19 +59,24 @@ def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]
 def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) -> list[cst.BaseStatement]:
     """The module-level helper block (with the opt-in sections asked for), its first statement carrying the banner."""
     body = _render(BLOCK_TEMPLATE, module, options=options_literal(options))
-    if options.aux_loss:
-        body += _render(AUX_LOSS_TEMPLATE, module)
-    if options.gradient_checkpointing:
-        body += _render(CHECKPOINTING_TEMPLATE, module)
-    if options.fuse_experts:
-        body += _render(FUSED_EXPERTS_TEMPLATE, module)
+    sections = [(options.aux_loss, AUX_LOSS_TEMPLATE), (options.gradient_checkpointing, CHECKPOINTING_TEMPLATE),
+                (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)]
+    for wanted, name in sections:
+        if wanted:
+            section = _render(name, module)
+            # Two blank lines between top-level definitions, as in the rest of the block.
+            section[0] = section[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)
+            body += section
     body[0] = body[0].with_changes(leading_lines=banner_lines(moe_class, options))
     return body
 
 
-def render_model_methods(module: cst.Module) -> list[cst.FunctionDef]:
-    """The from_pretrained / _from_config overrides of --fuse-experts."""
-    return _methods(FUSED_EXPERTS_METHODS, module)
+def render_model_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
+    """The PreTrainedModel subclass's save_pretrained, and the from_pretrained / _from_config of --fuse-experts."""
+    methods = _methods(SAVE_PRETRAINED_METHOD, module)
+    if options.fuse_experts:
+        methods += _methods(FUSED_EXPERTS_METHODS, module)
+    return methods
 
 
 def _methods(name: str, module: cst.Module) -> list[cst.FunctionDef]:

@@ -34,31 +34,6 @@ def fuse_experts(model: Any) -> int:
     return len(layers)
 
 
-def unfuse_state_dict(state_dict: dict) -> dict:
-    """The same state dict with every fused experts' `...experts.gate_up_proj` / `...experts.down_proj` pair written as
-    the original per-expert keys (`...experts.{i}.gate_proj.weight`, ...), in place of the pair.
-
-    For full state dicts gathered from a wrapped model (FSDP1 FULL_STATE_DICT, torch.distributed.checkpoint's
-    get_model_state_dict(full_state_dict=True)), which keep the parameters' own names: pass the result to
-    save_pretrained(state_dict=...) to write a checkpoint in the model's original layout.
-    """
-    out: dict = {}
-    for key, value in state_dict.items():
-        if key.endswith("experts.down_proj") and key[: -len("down_proj")] + "gate_up_proj" in state_dict:
-            continue  # written with its gate_up_proj
-        if not key.endswith("experts.gate_up_proj") or key[: -len("gate_up_proj")] + "down_proj" not in state_dict:
-            out[key] = value
-            continue
-        prefix = key[: -len("gate_up_proj")]
-        down = state_dict[prefix + "down_proj"]
-        inter = down.shape[2]
-        for i in range(value.shape[0]):
-            out[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].clone()
-            out[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].clone()
-            out[f"{prefix}{i}.down_proj.weight"] = down[i].clone()
-    return out
-
-
 def bias_update_layers(model: Any) -> list:
     """The model's MoE layers that were rewritten with --bias-update."""
     layers = [m for m in model.modules() if callable(getattr(m, "moe_rewrite_update_bias", None))]

@@ -51,7 +51,7 @@ class MoE:
 
         Call it once the weights are loaded and before the model is wrapped (FSDP, DDP, DeepSpeed) or handed to an
         optimizer; moe_rewrite.training.fuse_experts(model) does it for every layer. Returns the fused experts; calling
-        it again does nothing. Outputs, gradients and saved checkpoints (per-expert keys) stay the same.
+        it again does nothing. Outputs and gradients stay the same; save_pretrained still writes per-expert keys.
         """
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
@@ -69,6 +69,8 @@ class MoE:
             raise RuntimeError("moe-rewrite: fuse the experts before wrapping the model (FSDP, DDP, DeepSpeed)")
         if any(hasattr(m, "_hf_hook") for m in experts.modules()):
             raise RuntimeError("moe-rewrite: experts dispatched or offloaded by accelerate (device_map) are not fused")
+        if any(w.is_meta for w in flat):
+            raise RuntimeError("moe-rewrite: the expert weights are on the meta device; fuse them once they are loaded")
         if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
         self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)

@@ -51,39 +51,75 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
         assert rel_err(model(input_ids=ids).logits, original(input_ids=ids).logits) < REL
     original.train(), model.train()
     assert rel_err(model(input_ids=ids, labels=ids).loss, original(input_ids=ids, labels=ids).loss) < REL
-    # The checkpoint layout is the original one: same keys, same values, loadable without fusing.
+    # state_dict() names the parameters as they are (what FSDP and torch.distributed.checkpoint expect) ...
     state = model.state_dict()
-    assert list(state) == list(original.state_dict())
-    for key, value in original.state_dict().items():
-        assert torch.equal(state[key], value), key
-    model.save_pretrained(tmp_path)  # writes the original per-expert tensors, each its own (no shared storage)
+    assert set(dict(model.named_parameters())) <= set(state)
+    assert any(key.endswith("experts.gate_up_proj") for key in state)
+    assert not any(".experts.0." in key for key in state)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    assert get_model_state_dict(model).keys() == state.keys()
+    # ... while save_pretrained writes the checkpoint's own per-expert tensors, each its own (no shared storage),
+    # also from a state dict passed in (FSDP's full state dict has the fused names).
     from safetensors.torch import load_file
 
-    saved = load_file(tmp_path / "model.safetensors")
-    assert saved.keys() == original.state_dict().keys()
+    reference = original.state_dict()
+    for where, kwargs in (("own", {}), ("passed", {"state_dict": state})):
+        model.save_pretrained(tmp_path / where, **kwargs)
+        saved = load_file(tmp_path / where / "model.safetensors")
+        assert saved.keys() == reference.keys()
+        for key, value in reference.items():
+            assert torch.equal(saved[key], value), key
     reloaded = build_model(patched, seed=4).eval()
     reloaded.load_state_dict(saved, strict=True)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, original.eval()(input_ids=ids).logits)
-    # A state dict with the parameters' own (fused) names, as FSDP's full state dicts have: unfused for saving.
-    from moe_rewrite.training import unfuse_state_dict
-
-    own_names = {name: p.detach() for name, p in model.named_parameters()}
-    assert any(name.endswith("experts.gate_up_proj") for name in own_names)
-    unfused = unfuse_state_dict(own_names)
-    params_only = {k: v for k, v in original.state_dict().items() if k in dict(original.named_parameters())}
-    assert sorted(unfused) == sorted(params_only)
-    for key, value in params_only.items():
-        assert torch.equal(unfused[key], value), key
-    # Either layout loads into a fused model.
-    fresh = build_model(patched, seed=5)
-    fuse_experts(fresh)
-    fresh.load_state_dict(original.state_dict(), strict=True)
-    moe, fresh_moe = moe_layer(model), moe_layer(fresh)
-    assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj)
-    assert torch.equal(fresh_moe.experts.down_proj, moe.experts.down_proj)
+    # Either layout loads into a fused model: per-expert keys strictly, all at once or a few at a time (shards).
+    moe = moe_layer(model)
+    for shards in (1, 3):
+        fresh = build_model(patched, seed=5 + shards)
+        fuse_experts(fresh)
+        keys = list(reference)
+        for shard in range(shards):
+            result = fresh.load_state_dict({k: reference[k] for k in keys[shard::shards]}, strict=shards == 1)
+            assert not result.unexpected_keys
+        fresh_moe = moe_layer(fresh)
+        assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj)
+        assert torch.equal(fresh_moe.experts.down_proj, moe.experts.down_proj)
     fresh_moe.experts.load_state_dict({"gate_up_proj": moe.experts.gate_up_proj * 2, "down_proj": moe.experts.down_proj})
     assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj * 2)
+    bad = dict(reference)
+    name = next(k for k in bad if k.endswith("experts.1.up_proj.weight"))
+    bad[name] = bad[name][:, :-1]
+    with pytest.raises(RuntimeError, match="has shape"):
+        fresh.load_state_dict(bad)
+
+
+def test_sharded_checkpoint_loads_into_a_fused_model(tmp_path_factory, tmp_path):
+    """transformers' load_sharded_checkpoint (Trainer's resume) loads shard after shard into fused experts."""
+    from transformers.modeling_utils import load_sharded_checkpoint
+
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    original = build_model(ckpt, seed=8)
+    original.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3
+    model = build_model(ckpt, seed=9)
+    fuse_experts(model)
+    load_sharded_checkpoint(model, tmp_path, strict=False)
+    moe, moe_ref = moe_layer(model), moe_layer(original)
+    for i, e in enumerate(moe_ref.experts):
+        inter = e.gate_proj.weight.shape[0]
+        assert torch.equal(moe.experts.gate_up_proj[i, :inter], e.gate_proj.weight)
+        assert torch.equal(moe.experts.gate_up_proj[i, inter:], e.up_proj.weight)
+        assert torch.equal(moe.experts.down_proj[i], e.down_proj.weight)
+    assert torch.equal(model.lm_head.weight, original.lm_head.weight)
+
+
+def test_meta_device_models_are_not_fused(tmp_path_factory):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts")
+    with torch.device("meta"), pytest.warns(UserWarning, match="meta device"):
+        model = build_model(ckpt)
+    assert isinstance(moe_layer(model).experts, torch.nn.ModuleList)
 
 
 def test_fused_experts_index_like_a_module_list(tmp_path_factory):
@@ -201,7 +237,7 @@ def test_fuse_experts_option_loads_every_model_fused(tmp_path_factory, form, mon
     assert not info["missing_keys"] and not info["unexpected_keys"]
     moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
     assert moes and all(type(moe.experts).__name__ == "_MoeRewriteFusedExperts" for moe in moes)
-    assert list(model.state_dict()) == list(original.state_dict())
+    assert not any(".experts.0." in key for key in model.state_dict())
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     with torch.no_grad():
         assert rel_err(model.eval()(input_ids=ids).logits, original(input_ids=ids).logits) < REL

@@ -245,9 +245,9 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
 
     The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
     3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
-    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() of a
-    model that is not sharded gives the original per-expert keys (experts.{i}.gate_proj.weight, ...), so
-    save_pretrained writes the checkpoint's own layout; load_state_dict accepts either layout.
+    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() uses
+    the parameters' own names, as FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the
+    checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
     """
 
     def __init__(self, act_fn, gate_w, up_w, down_w):
@@ -264,7 +264,6 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
                 down[i].copy_(down_w[i])
         self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=first.requires_grad)
         self.down_proj = torch.nn.Parameter(down, requires_grad=first.requires_grad)
-        self._register_state_dict_hook(_moe_rewrite_expand_experts)
         self._register_load_state_dict_pre_hook(_moe_rewrite_merge_experts, with_module=True)
 
     def __len__(self):
@@ -295,30 +294,56 @@ class _MoeRewriteFusedExpert:
         return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
 
 
-def _moe_rewrite_expand_experts(module, state_dict, prefix, local_metadata):
-    """state_dict hook of fused experts: the original per-expert keys, unless the model is sharded (FSDP, DTensor),
-    whose state-dict machinery expects the parameters' own names."""
-    gate_up, down = state_dict.get(prefix + "gate_up_proj"), state_dict.get(prefix + "down_proj")
-    plain = (torch.Tensor, torch.nn.Parameter)
-    if type(gate_up) not in plain or type(down) not in plain or getattr(module, "_is_fsdp_managed_module", False):
-        return
-    del state_dict[prefix + "gate_up_proj"], state_dict[prefix + "down_proj"]
-    inter = down.shape[2]
-    with torch.no_grad():  # copies: views of one buffer would be taken for tied weights by checkpoint writers
-        for i in range(gate_up.shape[0]):
-            state_dict[f"{prefix}{i}.gate_proj.weight"] = gate_up[i, :inter].clone()
-            state_dict[f"{prefix}{i}.up_proj.weight"] = gate_up[i, inter:].clone()
-            state_dict[f"{prefix}{i}.down_proj.weight"] = down[i].clone()
-
-
 def _moe_rewrite_merge_experts(module, state_dict, prefix, *args):
-    """load_state_dict pre-hook of fused experts: per-expert keys, when all are there, become the fused parameters."""
-    names = [f"{prefix}{i}.{proj}.weight" for i in range(len(module)) for proj in ("gate_proj", "up_proj", "down_proj")]
-    if not all(name in state_dict for name in names):
+    """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
+    a few at a time (one shard of a sharded checkpoint after another)."""
+    projections = ("gate_proj", "up_proj", "down_proj")
+    keys = [(i, proj, f"{prefix}{i}.{proj}.weight") for i in range(len(module)) for proj in projections]
+    found = [key for key in keys if key[2] in state_dict]
+    if not found:
         return
-    tensors = [state_dict.pop(name) for name in names]
-    state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(names), 3)])
-    state_dict[prefix + "down_proj"] = torch.stack(tensors[2::3])
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.is_meta or down.is_meta:  # load_state_dict(assign=True) into a model built on the meta device
+        if len(found) == len(keys):
+            tensors = [state_dict.pop(key) for _, _, key in keys]
+            state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 3)])
+            state_dict[prefix + "down_proj"] = torch.stack(tensors[2::3])
+        return
+    inter = down.shape[2]
+    with torch.no_grad():
+        for i, proj, key in found:
+            value = state_dict.pop(key)
+            target = down[i] if proj == "down_proj" else gate_up[i, :inter] if proj == "gate_proj" else gate_up[i, inter:]
+            if value.shape != target.shape:
+                raise RuntimeError(f"moe-rewrite: {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+            target.copy_(value)
+    # What was copied counts as loaded: strict loading reports neither the per-expert keys nor the fused ones.
+    state_dict.setdefault(prefix + "gate_up_proj", gate_up.detach())
+    state_dict.setdefault(prefix + "down_proj", down.detach())
+
+
+def _moe_rewrite_unfuse_state_dict(state_dict, model):
+    """For save_pretrained: the state dict (the model's own when None and it has fused experts, else None) with every
+    fused experts' gate_up_proj / down_proj pair written as the checkpoint's per-expert keys, as CPU copies."""
+    if state_dict is None:
+        if not any(isinstance(m, _MoeRewriteFusedExperts) for m in model.modules()):
+            return None
+        state_dict = model.state_dict()
+    unfused = {}
+    for key, value in state_dict.items():
+        prefix = key[: -len("gate_up_proj")]
+        if key.endswith("experts.down_proj") and key[: -len("down_proj")] + "gate_up_proj" in state_dict:
+            continue  # written with its gate_up_proj
+        if not key.endswith("experts.gate_up_proj") or prefix + "down_proj" not in state_dict:
+            unfused[key] = value
+            continue
+        down = state_dict[prefix + "down_proj"].detach()
+        value, inter = value.detach(), down.shape[2]
+        for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
+            unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
+            unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
+            unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
+    return unfused
 
 
 def _moe_rewrite_combine(y, topk_ids, topk_weight):
@@ -426,7 +451,7 @@ class DeepseekV2MoE(nn.Module):
 
         Call it once the weights are loaded and before the model is wrapped (FSDP, DDP, DeepSpeed) or handed to an
         optimizer; moe_rewrite.training.fuse_experts(model) does it for every layer. Returns the fused experts; calling
-        it again does nothing. Outputs, gradients and saved checkpoints (per-expert keys) stay the same.
+        it again does nothing. Outputs and gradients stay the same; save_pretrained still writes per-expert keys.
         """
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
@@ -444,6 +469,8 @@ class DeepseekV2MoE(nn.Module):
             raise RuntimeError("moe-rewrite: fuse the experts before wrapping the model (FSDP, DDP, DeepSpeed)")
         if any(hasattr(m, "_hf_hook") for m in experts.modules()):
             raise RuntimeError("moe-rewrite: experts dispatched or offloaded by accelerate (device_map) are not fused")
+        if any(w.is_meta for w in flat):
+            raise RuntimeError("moe-rewrite: the expert weights are on the meta device; fuse them once they are loaded")
         if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
         self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
