@@ -64,8 +64,8 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
     from safetensors.torch import load_file
 
     reference = original.state_dict()
-    for where, kwargs in (("own", {}), ("passed", {"state_dict": state})):
-        model.save_pretrained(tmp_path / where, **kwargs)
+    for where, args, kwargs in (("own", (), {}), ("passed", (), {"state_dict": state}), ("by-position", (True, state), {})):
+        model.save_pretrained(tmp_path / where, *args, **kwargs)
         saved = load_file(tmp_path / where / "model.safetensors")
         assert saved.keys() == reference.keys()
         for key, value in reference.items():
