@@ -21,6 +21,7 @@ Needs only torch at run time (and transformers for the callback), not the rewrit
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -32,6 +33,17 @@ def fuse_experts(model: Any) -> int:
     for layer in layers:
         layer.moe_rewrite_fuse_experts()
     return len(layers)
+
+
+def unfuse_state_dict(model: Any, state_dict: dict | None = None) -> dict:
+    """`state_dict` (default: the model's own) with fused experts written as the checkpoint's per-expert keys, what the
+    model's save_pretrained writes. For checkpoints saved another way (torch.save, accelerate's save_model), whose fused
+    names from_pretrained does not load; `model` is any model built from the patched file (the meta device will do)."""
+    layer = next((m for m in model.modules() if callable(getattr(m, "moe_rewrite_fuse_experts", None))), None)
+    if layer is None:
+        raise ValueError("no MoE layer of this model has moe_rewrite_fuse_experts: rewrite its modeling file again")
+    unfused = sys.modules[type(layer).__module__]._moe_rewrite_unfuse_state_dict(state_dict, model)
+    return dict(model.state_dict()) if unfused is None else unfused
 
 
 def bias_update_layers(model: Any) -> list:

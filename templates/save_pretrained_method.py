@@ -7,7 +7,9 @@ class Model:
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as PreTrainedModel.save_pretrained does, fused routed experts written as per-expert keys (moe-rewrite);
         a `state_dict` passed in (a full state dict gathered from FSDP, say) is converted the same way."""
-        if len(args) > 1:  # state_dict passed by position, after is_main_process
+        if not (args[0] if args else kwargs.get("is_main_process", True)):
+            pass  # this process writes nothing
+        elif len(args) > 1:  # state_dict passed by position, after is_main_process
             args = (args[0], _moe_rewrite_unfuse_state_dict(args[1], self), *args[2:])
         else:
             kwargs["state_dict"] = _moe_rewrite_unfuse_state_dict(kwargs.get("state_dict"), self)

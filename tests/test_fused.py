@@ -88,6 +88,15 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
         assert torch.equal(fresh_moe.experts.down_proj, moe.experts.down_proj)
     fresh_moe.experts.load_state_dict({"gate_up_proj": moe.experts.gate_up_proj * 2, "down_proj": moe.experts.down_proj})
     assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj * 2)
+    # A checkpoint that lacks some experts is refused by a strict load, not left half loaded.
+    incomplete = {k: v for k, v in reference.items() if ".experts.1." not in k}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*experts\.1\.gate_proj\.weight"):
+        fresh.load_state_dict(incomplete)
+    # Checkpoints written another way keep the fused names; unfuse_state_dict gives the per-expert layout.
+    from moe_rewrite.training import unfuse_state_dict
+
+    converted = unfuse_state_dict(model, model.state_dict())
+    assert converted.keys() == reference.keys() and all(torch.equal(converted[k], v) for k, v in reference.items())
     bad = dict(reference)
     name = next(k for k in bad if k.endswith("experts.1.up_proj.weight"))
     bad[name] = bad[name][:, :-1]
@@ -186,6 +195,12 @@ def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in moe.experts.named_parameters()}
+    # A full per-expert checkpoint loads into the sharded fused parameters (torch.distributed.checkpoint's API).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    per_expert = build_model(ckpt, seed=12).state_dict()
+    set_model_state_dict(model, per_expert, options=StateDictOptions(full_state_dict=True))
+    loaded_down = moe.experts.down_proj.full_tensor().detach().clone()
     try:
         moe.moe_rewrite_fuse_experts()  # already fused: nothing to do
         type(moe).moe_rewrite_fuse_experts(moe_layer(build_model(ckpt)))  # a plain one still fuses
@@ -195,7 +210,10 @@ def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
         moe_layer(other).moe_rewrite_fuse_experts()
     except RuntimeError as error:
         refused = str(error)
-    torch.save({"loss": loss.detach(), "grads": grads, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"loss": loss.detach(), "grads": grads, "refused": refused, "loaded_down": loaded_down},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -219,6 +237,9 @@ def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path)
     for name, grad in expected.items():
         assert rel_err(results[0]["grads"][name], grad) < REL, name
         assert torch.equal(results[0]["grads"][name], results[1]["grads"][name]), name
+    other = moe_layer(build_model(ckpt, seed=12))
+    expected_down = torch.stack([e.down_proj.weight for e in other.experts]).detach()
+    assert all(torch.equal(r["loaded_down"], expected_down) for r in results)
 
 
 def test_fuse_experts_option_loads_every_model_fused(tmp_path_factory, form, monkeypatch):
@@ -256,3 +277,15 @@ def test_fuse_experts_option_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path
     with pytest.warns(UserWarning, match="1 MoE layers keep per-expert weights .*plain, whole nn.Linear"):
         model_module(model)._moe_rewrite_fuse_model(model)
     assert isinstance(moe.experts, torch.nn.ModuleList)
+
+
+def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_path_factory):
+    """A file rewritten with --fuse-experts, then run without it, keeps no override that calls a removed helper."""
+    from moe_rewrite.options import RewriteOptions
+    from moe_rewrite.rewrite import rewrite_source
+
+    fused = (patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts") / "modeling_deepseek.py").read_text()
+    two_bases = fused + "\n\nclass OtherPreTrainedModel(PreTrainedModel):\n    pass\n"
+    plain = rewrite_source(two_bases, RewriteOptions()).text
+    assert "_moe_rewrite_fuse_model" not in plain and "def save_pretrained" not in plain
+    assert "class OtherPreTrainedModel(PreTrainedModel)" in plain

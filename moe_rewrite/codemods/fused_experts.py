@@ -27,16 +27,17 @@ def transform(module: cst.Module, options: RewriteOptions) -> cst.Module:
     classes = [
         s for s in module.body if isinstance(s, cst.ClassDef) and any(m.matches(b.value, PRETRAINED_BASE) for b in s.bases)
     ]
-    if len(classes) != 1:
-        if options.fuse_experts:
-            raise RewriteError(f"--fuse-experts: expected one PreTrainedModel subclass, found {len(classes)}")
-        return module  # save_pretrained then writes fused experts under their own names
-    (cls,) = classes
-    body = [s for s in cls.body.body if not _is_ours(s)]
-    methods = render_model_methods(module, options)
-    defined = {s.name.value for s in body if isinstance(s, cst.FunctionDef)}
-    clashes = defined & {method.name.value for method in methods}
-    if clashes and options.fuse_experts:
-        raise RewriteError(f"--fuse-experts: {cls.name.value} defines {', '.join(sorted(clashes))} itself")
-    body += [method for method in methods if method.name.value not in defined]
-    return cst.ensure_type(module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body))), cst.Module)
+    if len(classes) != 1 and options.fuse_experts:
+        raise RewriteError(f"--fuse-experts: expected one PreTrainedModel subclass, found {len(classes)}")
+    for cls in classes:  # earlier generated methods go everywhere; new ones only into a single base class
+        body = [s for s in cls.body.body if not _is_ours(s)]
+        if len(classes) == 1:
+            methods = render_model_methods(module, options)
+            defined = {s.name.value for s in body if isinstance(s, cst.FunctionDef)}
+            clashes = defined & {method.name.value for method in methods}
+            if clashes and options.fuse_experts:
+                raise RewriteError(f"--fuse-experts: {cls.name.value} defines {', '.join(sorted(clashes))} itself")
+            body += [method for method in methods if method.name.value not in defined]
+        new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
+        module = cst.ensure_type(module.deep_replace(cls, new_cls), cst.Module)
+    return module

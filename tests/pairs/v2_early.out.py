@@ -294,20 +294,31 @@ class _MoeRewriteFusedExpert:
         return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
 
 
-def _moe_rewrite_merge_experts(module, state_dict, prefix, *args):
+def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, *args):
     """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
-    a few at a time (one shard of a sharded checkpoint after another)."""
+    a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
+    some are reported missing."""
     projections = ("gate_proj", "up_proj", "down_proj")
     keys = [(i, proj, f"{prefix}{i}.{proj}.weight") for i in range(len(module)) for proj in projections]
     found = [key for key in keys if key[2] in state_dict]
     if not found:
         return
     gate_up, down = module.gate_up_proj, module.down_proj
-    if gate_up.is_meta or down.is_meta:  # load_state_dict(assign=True) into a model built on the meta device
+    if gate_up.is_meta or type(gate_up) is not torch.nn.Parameter:
+        # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.
         if len(found) == len(keys):
             tensors = [state_dict.pop(key) for _, _, key in keys]
-            state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 3)])
-            state_dict[prefix + "down_proj"] = torch.stack(tensors[2::3])
+            fused = {
+                "gate_up_proj": torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 3)]),
+                "down_proj": torch.stack(tensors[2::3]),
+            }
+            for name, value in fused.items():
+                param = getattr(module, name)
+                if hasattr(param, "device_mesh"):  # every rank holds the full tensor: keep this rank's shard
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+                state_dict[prefix + name] = value
         return
     inter = down.shape[2]
     with torch.no_grad():
@@ -317,7 +328,9 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, *args):
             if value.shape != target.shape:
                 raise RuntimeError(f"moe-rewrite: {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
             target.copy_(value)
-    # What was copied counts as loaded: strict loading reports neither the per-expert keys nor the fused ones.
+    loaded = {key for _, _, key in found}
+    missing_keys.extend(key for _, _, key in keys if key not in loaded)
+    # What was copied counts as loaded, the fused names are not reported missing.
     state_dict.setdefault(prefix + "gate_up_proj", gate_up.detach())
     state_dict.setdefault(prefix + "down_proj", down.detach())
 
