@@ -1,20 +1,13 @@
 #!/usr/bin/env bash
 # End-to-end FSDP comparison on one host (issue: training at scale). Run from the repository root on the GPU machine:
 #   bash bench/e2e/run.sh            # NPROC defaults to the number of GPUs
-# Needs transformers 4.5x for trust_remote_code (the published DeepSeek files fail to import on 5.x); on the device
-# image it is installed from wheels in .whl/tf4 into /tmp/site, with libcst for the CLI.
+# Environment (transformers 4.5x and libcst from .whl/): bench/e2e/setup.sh.
 set -euo pipefail
-OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.whl .whl/tf4/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+source bench/e2e/setup.sh
 STEPS=${STEPS:-14}
-rm -rf /tmp/e2e && mkdir -p /tmp/e2e
 # Gradients are reduced after the last of the --accum micro-batches only (as accelerate does; --sync-each-micro-batch
-# reduces after every one). Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus --fuse-experts (models load
-# with each layer's experts in two parameters). All with --gradient-checkpointing, so that
+# reduces after every one). Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus
+# --fuse-experts (models load with each layer's experts in two parameters). All with --gradient-checkpointing, so that
 # gradient_checkpointing_enable() works in the V3 form.
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing

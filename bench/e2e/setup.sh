@@ -1,0 +1,10 @@
+# Sourced by run.sh and profile.sh: the environment of an end-to-end run on the GPU machine, from the repository root.
+# transformers 4.5x for trust_remote_code (the published DeepSeek files fail to import on 5.x) and libcst for the CLI
+# are installed from the wheels in .whl/ (.whl/tf4) into /tmp/site; NVLink multicast stays off (device notes).
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.whl .whl/tf4/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+rm -rf /tmp/e2e && mkdir -p /tmp/e2e
