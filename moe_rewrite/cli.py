@@ -109,7 +109,8 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
 @click.option("--fuse-experts", is_flag=True,
               help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
-                   "all under FSDP; for full fine-tuning (LoRA cannot target fused experts). Checkpoints keep their keys.")
+                   "all under FSDP; for full fine-tuning (LoRA cannot target fused experts). save_pretrained keeps the "
+                   "checkpoint's per-expert keys.")
 @click.option("--skip-unrecognised", is_flag=True,
               help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")
