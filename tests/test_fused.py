@@ -289,3 +289,37 @@ def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_p
     plain = rewrite_source(two_bases, RewriteOptions()).text
     assert "_moe_rewrite_fuse_model" not in plain and "def save_pretrained" not in plain
     assert "class OtherPreTrainedModel(PreTrainedModel)" in plain
+
+
+def _ddp_worker(rank, world, ckpt, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = build_model(ckpt, seed=13).train()
+    fuse_experts(model)  # before wrapping: DDP registers its gradient hooks on the fused parameters
+    for layer in model.model.layers:  # the V3 router's bias gets no gradient (see README, DDP)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+            layer.mlp.gate.e_score_correction_bias.requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(400 + rank))
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.clone() for n, p in moe_layer(model).experts.named_parameters()}
+    torch.save(grads, os.path.join(out_dir, f"ddp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fused_experts_under_ddp_get_averaged_gradients(tmp_path_factory, tmp_path):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"ddp{r}.pt") for r in range(2)]
+    model = build_model(ckpt, seed=13).train()
+    fuse_experts(model)
+    losses = [
+        model(input_ids=ids, labels=ids).loss
+        for ids in (torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(400 + r)) for r in range(2))
+    ]
+    ((losses[0] + losses[1]) / 2).backward()
+    for name, p in moe_layer(model).experts.named_parameters():
+        assert torch.equal(results[0][name], results[1][name]), name
+        assert rel_err(results[0][name], p.grad) < REL, name
