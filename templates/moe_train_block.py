@@ -244,17 +244,9 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     def __init__(self, act_fn, gate_w, up_w, down_w):
         super().__init__()
         self.act_fn = act_fn
-        experts, (inter, hidden) = len(gate_w), gate_w[0].shape
-        first = gate_w[0]
-        with torch.no_grad():
-            gate_up = torch.empty(experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
-            down = torch.empty(experts, hidden, inter, dtype=first.dtype, device=first.device)
-            for i in range(experts):
-                gate_up[i, :inter].copy_(gate_w[i])
-                gate_up[i, inter:].copy_(up_w[i])
-                down[i].copy_(down_w[i])
-        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=first.requires_grad)
-        self.down_proj = torch.nn.Parameter(down, requires_grad=first.requires_grad)
+        gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
         self._register_load_state_dict_pre_hook(_moe_rewrite_merge_experts, with_module=True)
 
     def __len__(self):
@@ -271,6 +263,21 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     def extra_repr(self):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
+
+
+def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
+    """The (E, 2 * intermediate, hidden) gate_up and (E, hidden, intermediate) down tensors holding the experts'
+    weights, in the first weight's dtype and device (filled in place: no per-expert temporaries)."""
+    experts, (inter, hidden) = len(gate_w), gate_w[0].shape
+    first = gate_w[0]
+    with torch.no_grad():
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
+        down = torch.empty(experts, hidden, inter, dtype=first.dtype, device=first.device)
+        for i in range(experts):
+            gate_up[i, :inter].copy_(gate_w[i])
+            gate_up[i, inter:].copy_(up_w[i])
+            down[i].copy_(down_w[i])
+    return gate_up, down
 
 
 class _MoeRewriteFusedExpert:
@@ -299,11 +306,8 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
         # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.
         if len(found) == len(keys):
             tensors = [state_dict.pop(key) for _, _, key in keys]
-            fused = {
-                "gate_up_proj": torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 3)]),
-                "down_proj": torch.stack(tensors[2::3]),
-            }
-            for name, value in fused.items():
+            gate_up, down = _moe_rewrite_stack_experts(tensors[0::3], tensors[1::3], tensors[2::3])
+            for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
                 param = getattr(module, name)
                 if hasattr(param, "device_mesh"):  # every rank holds the full tensor: keep this rank's shard
                     from torch.distributed.tensor import distribute_tensor
@@ -333,20 +337,23 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
         if not any(isinstance(m, _MoeRewriteFusedExperts) for m in model.modules()):
             return None
         state_dict = model.state_dict()
+    fused = [key[: -len("gate_up_proj")] for key in state_dict if key.endswith("experts.gate_up_proj")]
+    fused = {prefix for prefix in fused if prefix + "down_proj" in state_dict}
     unfused = {}
     for key, value in state_dict.items():
-        prefix = key[: -len("gate_up_proj")]
-        if key.endswith("experts.down_proj") and key[: -len("down_proj")] + "gate_up_proj" in state_dict:
+        prefix, _, name = key.rpartition(".")
+        prefix += "."
+        if prefix in fused and name == "down_proj":
             continue  # written with its gate_up_proj
-        if not key.endswith("experts.gate_up_proj") or prefix + "down_proj" not in state_dict:
+        if prefix not in fused or name != "gate_up_proj":
             unfused[key] = value
-            continue
-        down = state_dict[prefix + "down_proj"].detach()
-        value, inter = value.detach(), down.shape[2]
-        for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
-            unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
-            unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
-            unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
+        else:
+            down = state_dict[prefix + "down_proj"].detach()
+            value, inter = value.detach(), down.shape[2]
+            for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
+                unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
     return unfused
 
 
