@@ -25,11 +25,20 @@ import sys
 from typing import Any
 
 
+def _layers_with(model: Any, method: str, missing: str) -> list:
+    """The model's modules that have the generated `method`; ValueError(missing) when none has."""
+    layers = [m for m in model.modules() if callable(getattr(m, method, None))]
+    if not layers:
+        raise ValueError(missing)
+    return layers
+
+
+FUSE_MISSING = "no MoE layer of this model has moe_rewrite_fuse_experts: rewrite its modeling file again"
+
+
 def fuse_experts(model: Any) -> int:
     """Fuse the routed experts of every rewritten MoE layer (moe_rewrite_fuse_experts); returns how many layers."""
-    layers = [m for m in model.modules() if callable(getattr(m, "moe_rewrite_fuse_experts", None))]
-    if not layers:
-        raise ValueError("no MoE layer of this model has moe_rewrite_fuse_experts: rewrite its modeling file again")
+    layers = _layers_with(model, "moe_rewrite_fuse_experts", FUSE_MISSING)
     for layer in layers:
         layer.moe_rewrite_fuse_experts()
     return len(layers)
@@ -39,19 +48,14 @@ def unfuse_state_dict(model: Any, state_dict: dict | None = None) -> dict:
     """`state_dict` (default: the model's own) with fused experts written as the checkpoint's per-expert keys, what the
     model's save_pretrained writes. For checkpoints saved another way (torch.save, accelerate's save_model), whose fused
     names from_pretrained does not load; `model` is any model built from the patched file (the meta device will do)."""
-    layer = next((m for m in model.modules() if callable(getattr(m, "moe_rewrite_fuse_experts", None))), None)
-    if layer is None:
-        raise ValueError("no MoE layer of this model has moe_rewrite_fuse_experts: rewrite its modeling file again")
+    layer = _layers_with(model, "moe_rewrite_fuse_experts", FUSE_MISSING)[0]
     unfused = sys.modules[type(layer).__module__]._moe_rewrite_unfuse_state_dict(state_dict, model)
     return dict(model.state_dict()) if unfused is None else unfused
 
 
 def bias_update_layers(model: Any) -> list:
     """The model's MoE layers that were rewritten with --bias-update."""
-    layers = [m for m in model.modules() if callable(getattr(m, "moe_rewrite_update_bias", None))]
-    if not layers:
-        raise ValueError("no MoE layer of this model was rewritten with --bias-update")
-    return layers
+    return _layers_with(model, "moe_rewrite_update_bias", "no MoE layer of this model was rewritten with --bias-update")
 
 
 def update_biases(model: Any) -> None:
