@@ -33,6 +33,19 @@ def _isolate_hf() -> None:
 _isolate_hf()
 
 
+def assert_one_line_error(result: tuple[int, str, str], *mentions: str) -> None:
+    """(exit code, stdout, stderr) of bad input: exit 2, nothing on stdout, one `moe-rewrite: error:` line naming each
+    of `mentions`, no traceback."""
+    code, out, err = result
+    assert code == 2, result
+    assert out == ""
+    assert "Traceback" not in err
+    assert err.startswith("moe-rewrite: error:"), err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for text in mentions:
+        assert text in err, (text, err)
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run the CLI in-process like a user would, capturing (exit code, stdout, stderr)."""
     import io

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, V3_DIR, run_cli, snapshot
+from conftest import ROOT, V3_DIR, assert_one_line_error, run_cli, snapshot
 
 PAIRS = ROOT / "tests" / "pairs"
 from moe_rewrite import __version__, rewrite_source
@@ -58,16 +58,6 @@ def tree(path: Path) -> tuple[dict[str, bytes], list[str]]:
     """Every file's bytes (links as their targets) and every directory, even empty ones."""
     dirs = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_dir() and not p.is_symlink())
     return snapshot(path), dirs
-
-
-def assert_one_line_error(code: int, out: str, err: str, *mentions: str) -> None:
-    assert code == 2, (code, out, err)
-    assert out == ""
-    assert "Traceback" not in err
-    assert err.startswith("moe-rewrite: error:"), err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    for text in mentions:
-        assert text in err, (text, err)
 
 
 def apply_unified_diff(old: str, diff: str) -> str:
@@ -431,7 +421,7 @@ def test_error_exits_2_with_one_line_and_writes_nothing(tmp_path, case):
 
     code, stdout, err = run_cli(*args)
 
-    assert_one_line_error(code, stdout, err, *mentions)
+    assert_one_line_error((code, stdout, err), *mentions)
     assert tree(tmp_path) == before
     assert (tmp_path / "out").exists() == out_existed
 
@@ -497,7 +487,7 @@ def test_python_m_error_unknown_repo_offline(tmp_path):
     HF_HUB_CACHE at a temp dir and set HF_HUB_OFFLINE)."""
     (tmp_path / "empty_cache").mkdir()
     proc = run_module("nobody/nothing", "--out", tmp_path / "out", HF_HUB_CACHE=str(tmp_path / "empty_cache"))
-    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "nobody/nothing", "cache", "offline")
+    assert_one_line_error((proc.returncode, proc.stdout, proc.stderr), "nobody/nothing", "cache", "offline")
     assert [p.name for p in tmp_path.rglob("*")] == ["empty_cache"]
 
 
@@ -630,7 +620,7 @@ def test_without_skip_unrecognised_a_dense_file_fails_everything(tmp_path):
 
     code, stdout, err = run_cli(moe, dense, "--in-place")
 
-    assert_one_line_error(code, stdout, err, str(dense), "not a DeepSeek-family MoE file")
+    assert_one_line_error((code, stdout, err), str(dense), "not a DeepSeek-family MoE file")
     assert tree(tmp_path) == before
 
 
@@ -669,7 +659,7 @@ def test_skip_unrecognised_other_errors_still_exit_2_and_write_nothing(tmp_path,
 
     code, stdout, err = run_cli(dense, moe, bad, mode, "--skip-unrecognised")
 
-    assert_one_line_error(code, stdout, err, str(bad), *mentions)
+    assert_one_line_error((code, stdout, err), str(bad), *mentions)
     assert SKIPPED not in err
     assert tree(tmp_path) == before
 

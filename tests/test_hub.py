@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, V2_DIR, V3_DIR, snapshot
+from conftest import ROOT, V2_DIR, V3_DIR, assert_one_line_error, snapshot
 
 MODELING = "modeling_deepseek.py"
 CODE_FILES = ("config.json", "configuration_deepseek.py", MODELING)
@@ -144,17 +144,6 @@ def cli(hub_cache):
     yield run
     worker.stdin.close()
     worker.wait(timeout=30)
-
-
-def assert_one_line_error(result: tuple[int, str, str], *mentions: str) -> None:
-    code, out, err = result
-    assert code == 2, result
-    assert out == ""
-    assert "Traceback" not in err
-    assert err.startswith("moe-rewrite: error:"), err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    for text in mentions:
-        assert text in err, (text, err)
 
 
 def assert_code_only_checkpoint(out: Path, form_dir: Path) -> str:

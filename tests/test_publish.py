@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 import hfapi_double
-from conftest import ROOT, V3_DIR, model_module, run_cli, snapshot
+from conftest import ROOT, V3_DIR, assert_one_line_error, model_module, run_cli, snapshot
 from hfapi_double import TOKEN, RecordingHfApi
 from moe_rewrite import RewriteOptions, __version__, rewrite_source
-from test_hub import MODELING, add_snapshot, assert_one_line_error, cache_state, set_ref
+from test_hub import MODELING, add_snapshot, cache_state, set_ref
 
 CONFIG = "configuration_deepseek.py"
 ELSEWHERE = "deepseek-ai/DeepSeek-V3"  # where a fine-tune's auto_map takes the code from
