@@ -93,3 +93,21 @@ def build_model(path: Path, seed: int = 0, **config_overrides):
 
 def model_module(model):
     return sys.modules[type(model).__module__]
+
+
+def _gloo_rank(rank: int, world: int, init_file: str, worker, args: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        worker(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(worker, tmp_path: Path, *args, world: int = 2) -> None:
+    """Run worker(rank, *args, out_dir) in `world` processes joined by a gloo process group; out_dir is tmp_path."""
+    import torch.multiprocessing
+
+    init_file = str(tmp_path / "init")
+    torch.multiprocessing.spawn(_gloo_rank, args=(world, init_file, worker, (*args, str(tmp_path))), nprocs=world, join=True)

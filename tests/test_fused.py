@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import build_model, model_module, patched_checkpoint  # noqa: E402
+from conftest import build_model, model_module, patched_checkpoint, run_ranks  # noqa: E402
 from test_training import (  # noqa: E402, F401 (form and patched are the per-form fixtures)
     REL,
     assert_matches_reference,
@@ -180,11 +180,9 @@ def test_fusing_what_cannot_be_fused_is_refused(tmp_path_factory):
         fuse_experts(torch.nn.Linear(2, 2))
 
 
-def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
-    import torch.distributed as dist
+def _fsdp2_worker(rank, ckpt, out_dir):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = build_model(ckpt, seed=11).train()
     fuse_experts(model)
     for layer in model.model.layers:
@@ -214,12 +212,11 @@ def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
         {"loss": loss.detach(), "grads": grads, "refused": refused, "loaded_down": loaded_down},
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
-    dist.destroy_process_group()
 
 
 def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3")
-    torch.multiprocessing.spawn(_fsdp2_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_fsdp2_worker, tmp_path, ckpt)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all("before wrapping" in r["refused"] for r in results)
     model = build_model(ckpt, seed=11).train()  # one process, per-expert layers: the mean of the two ranks' losses
@@ -291,11 +288,9 @@ def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_p
     assert "class OtherPreTrainedModel(PreTrainedModel)" in plain
 
 
-def _ddp_worker(rank, world, ckpt, init_file, out_dir):
-    import torch.distributed as dist
+def _ddp_worker(rank, ckpt, out_dir):
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = build_model(ckpt, seed=13).train()
     fuse_experts(model)  # before wrapping: DDP registers its gradient hooks on the fused parameters
     for layer in model.model.layers:  # the V3 router's bias gets no gradient (see README, DDP)
@@ -306,12 +301,11 @@ def _ddp_worker(rank, world, ckpt, init_file, out_dir):
     ddp(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad.clone() for n, p in moe_layer(model).experts.named_parameters()}
     torch.save(grads, os.path.join(out_dir, f"ddp{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_fused_experts_under_ddp_get_averaged_gradients(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3")
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_ddp_worker, tmp_path, ckpt)
     results = [torch.load(tmp_path / f"ddp{r}.pt") for r in range(2)]
     model = build_model(ckpt, seed=13).train()
     fuse_experts(model)

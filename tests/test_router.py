@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli  # noqa: E402
+from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli, run_ranks  # noqa: E402
 from test_training import REL, moe_layer, rel_err  # noqa: E402
 
 ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05", "--gradient-checkpointing")
@@ -136,10 +136,7 @@ def test_register_bias_update_runs_after_each_optimizer_step(tmp_path_factory):
     assert BiasUpdateCallback.__name__ == "BiasUpdateCallback"
 
 
-def _rank_worker(rank, world, ckpt, init_file, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank_worker(rank, ckpt, out_dir):
     model = build_model(ckpt, seed=7)
     moe = moe_layer(model).train()
     torch.manual_seed(100 + rank)  # every rank sees different tokens
@@ -148,14 +145,11 @@ def _rank_worker(rank, world, ckpt, init_file, out_dir):
     torch.save({"load": moe._moe_rewrite_load.clone(), "x": x}, os.path.join(out_dir, f"load{rank}.pt"))
     moe.moe_rewrite_update_bias()
     torch.save(moe.gate.e_score_correction_bias.detach().clone(), os.path.join(out_dir, f"bias{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_two_ranks_apply_identical_updates_from_summed_loads(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3", "--bias-update", "0.01")
-    torch.multiprocessing.spawn(
-        _rank_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
-    )
+    run_ranks(_rank_worker, tmp_path, ckpt)
     biases = [torch.load(tmp_path / f"bias{r}.pt") for r in range(2)]
     loads = [torch.load(tmp_path / f"load{r}.pt")["load"] for r in range(2)]
     assert torch.equal(biases[0], biases[1])
@@ -239,13 +233,11 @@ def test_bias_update_in_a_bf16_model_is_not_rounded_away(tmp_path_factory):
     assert (moe.gate.e_score_correction_bias[:2].float() < 2.0).all()
 
 
-def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
-    import torch.distributed as dist
+def _fsdp2_worker(rank, ckpt, out_dir):
     from torch.distributed.fsdp import fully_shard
 
     from moe_rewrite.training import register_bias_update
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = build_model(ckpt, seed=9).train()
     for layer in model.model.layers:
         fully_shard(layer)
@@ -260,14 +252,11 @@ def _fsdp2_worker(rank, world, ckpt, init_file, out_dir):
     optimizer.step()
     bias = moe.gate.e_score_correction_bias.full_tensor().detach().clone()
     torch.save({"load": load, "bias": bias}, os.path.join(out_dir, f"fsdp{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_bias_update_under_fsdp2_updates_the_sharded_bias_identically(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3", "--bias-update", "0.01")
-    torch.multiprocessing.spawn(
-        _fsdp2_worker, args=(2, ckpt, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
-    )
+    run_ranks(_fsdp2_worker, tmp_path, ckpt)
     results = [torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2)]
     assert torch.equal(results[0]["bias"], results[1]["bias"])
     total = results[0]["load"] + results[1]["load"]
