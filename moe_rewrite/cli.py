@@ -107,10 +107,10 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).")
 @click.option("--gradient-checkpointing", is_flag=True,
               help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
-@click.option("--fuse-experts", is_flag=True,
+@click.option("--fuse-experts/--no-fuse-experts", default=True, show_default=True,
               help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
-                   "all under FSDP; for full fine-tuning (LoRA cannot target fused experts). save_pretrained keeps the "
-                   "checkpoint's per-expert keys.")
+                   "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
+                   "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).")
 @click.option("--skip-unrecognised", is_flag=True,
               help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")

@@ -18,7 +18,7 @@ class RewriteOptions:
     aux_loss: bool = False  # V3 form: the complementary sequence-wise balance loss, weighted by aux_loss_alpha
     bias_update: float | None = None  # V3 form: aux-loss-free balancing, bias += RATE * sign(mean load - load)
     gradient_checkpointing: bool = False  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
-    fuse_experts: bool = False  # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts)
+    fuse_experts: bool = True  # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -29,7 +29,7 @@ class RewriteOptions:
             raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
 
     def describe(self) -> str:
-        """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, gradient-checkpointing][, fuse-experts]"""
+        """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, gradient-checkpointing][, no-fuse-experts]"""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -37,8 +37,8 @@ class RewriteOptions:
             parts.append(f"bias-update={self.bias_update:g}")
         if self.gradient_checkpointing:
             parts.append("gradient-checkpointing")
-        if self.fuse_experts:
-            parts.append("fuse-experts")
+        if not self.fuse_experts:
+            parts.append("no-fuse-experts")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

@@ -19,6 +19,7 @@ from test_training import (  # noqa: E402, F401 (form and patched are the per-fo
     fused_grads,
     moe_layer,
     patched,
+    per_expert_checkpoint,
     reference_moe,
     rel_err,
 )
@@ -108,7 +109,7 @@ def test_sharded_checkpoint_loads_into_a_fused_model(tmp_path_factory, tmp_path)
     """transformers' load_sharded_checkpoint (Trainer's resume) loads shard after shard into fused experts."""
     from transformers.modeling_utils import load_sharded_checkpoint
 
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = per_expert_checkpoint(tmp_path_factory, "v3")
     original = build_model(ckpt, seed=8)
     original.save_pretrained(tmp_path, max_shard_size="20KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 3
@@ -125,14 +126,14 @@ def test_sharded_checkpoint_loads_into_a_fused_model(tmp_path_factory, tmp_path)
 
 
 def test_meta_device_models_are_not_fused(tmp_path_factory):
-    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts")
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
     with torch.device("meta"), pytest.warns(UserWarning, match="meta device"):
         model = build_model(ckpt)
     assert isinstance(moe_layer(model).experts, torch.nn.ModuleList)
 
 
 def test_fused_experts_index_like_a_module_list(tmp_path_factory):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3")))
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3")))
     per_expert = list(copy.deepcopy(moe.experts))
     experts = moe.moe_rewrite_fuse_experts()
     assert experts is moe.experts and len(experts) == len(per_expert)
@@ -145,7 +146,7 @@ def test_fused_experts_index_like_a_module_list(tmp_path_factory):
 
 
 def test_fused_experts_with_the_loop_and_autocast(tmp_path_factory, monkeypatch):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     reference = copy.deepcopy(moe)
     moe.moe_rewrite_fuse_experts()
     x = torch.randn(12, moe.config.hidden_size)
@@ -166,7 +167,7 @@ def test_fusing_what_cannot_be_fused_is_refused(tmp_path_factory):
     class DoubledLinear(torch.nn.Linear):
         pass
 
-    model = build_model(patched_checkpoint(tmp_path_factory, "v3"))
+    model = build_model(per_expert_checkpoint(tmp_path_factory, "v3"))
     moe = moe_layer(model)
     old = moe.experts[2].up_proj
     moe.experts[2].up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
@@ -215,7 +216,7 @@ def _fsdp2_worker(rank, ckpt, out_dir):
 
 
 def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path):
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = per_expert_checkpoint(tmp_path_factory, "v3")
     run_ranks(_fsdp2_worker, tmp_path, ckpt)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all("before wrapping" in r["refused"] for r in results)
@@ -239,13 +240,13 @@ def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path)
     assert all(torch.equal(r["loaded_down"], expected_down) for r in results)
 
 
-def test_fuse_experts_option_loads_every_model_fused(tmp_path_factory, form, monkeypatch):
-    """--fuse-experts: from_pretrained and from_config give fused experts, with the checkpoint's weights and keys."""
+def test_default_rewrite_loads_every_model_fused(tmp_path_factory, form, monkeypatch):
+    """By default from_pretrained and from_config give fused experts, with the checkpoint's weights and keys."""
     from transformers import AutoModelForCausalLM
 
     from conftest import FORM_DIRS
 
-    out = patched_checkpoint(tmp_path_factory, form, "--fuse-experts")
+    out = patched_checkpoint(tmp_path_factory, form)
     original = build_model(FORM_DIRS[form], seed=6).eval()
     original.save_pretrained(out)  # the stand-in's weights next to the patched code
     assert (out / "modeling_deepseek.py").read_text().count("_moe_rewrite_fuse_model(") == 3
@@ -264,8 +265,8 @@ def test_fuse_experts_option_loads_every_model_fused(tmp_path_factory, form, mon
     assert type(moe_layer(build_model(out)).experts).__name__ == "ModuleList"
 
 
-def test_fuse_experts_option_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_factory, monkeypatch):
-    out = patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts")
+def test_fused_loading_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_factory, monkeypatch):
+    out = patched_checkpoint(tmp_path_factory, "v3")
     monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
     model = build_model(out)
     monkeypatch.delenv("MOE_REWRITE_FUSE_EXPERTS")
@@ -277,13 +278,16 @@ def test_fuse_experts_option_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path
 
 
 def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_path_factory):
-    """A file rewritten with --fuse-experts, then run without it, keeps no override that calls a removed helper."""
+    """A file rewritten with the defaults (fused loading), then with --no-fuse-experts, keeps no override that calls a
+    removed helper; fused loading into a file with two model base classes is refused, as it would be ambiguous."""
     from moe_rewrite.options import RewriteOptions
-    from moe_rewrite.rewrite import rewrite_source
+    from moe_rewrite.rewrite import RewriteError, rewrite_source
 
-    fused = (patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts") / "modeling_deepseek.py").read_text()
+    fused = (patched_checkpoint(tmp_path_factory, "v3") / "modeling_deepseek.py").read_text()
     two_bases = fused + "\n\nclass OtherPreTrainedModel(PreTrainedModel):\n    pass\n"
-    plain = rewrite_source(two_bases, RewriteOptions()).text
+    with pytest.raises(RewriteError, match="one PreTrainedModel subclass, found 2; rewrite with --no-fuse-experts"):
+        rewrite_source(two_bases, RewriteOptions())
+    plain = rewrite_source(two_bases, RewriteOptions(fuse_experts=False)).text
     assert "_moe_rewrite_fuse_model" not in plain and "def save_pretrained" not in plain
     assert "class OtherPreTrainedModel(PreTrainedModel)" in plain
 
@@ -304,7 +308,7 @@ def _ddp_worker(rank, ckpt, out_dir):
 
 
 def test_fused_experts_under_ddp_get_averaged_gradients(tmp_path_factory, tmp_path):
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = per_expert_checkpoint(tmp_path_factory, "v3")
     run_ranks(_ddp_worker, tmp_path, ckpt)
     results = [torch.load(tmp_path / f"ddp{r}.pt") for r in range(2)]
     model = build_model(ckpt, seed=13).train()

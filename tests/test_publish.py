@@ -487,19 +487,23 @@ def test_checkpoint_round_trip_loads_and_trains(tmp_path, auto_map):
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, torch_dtype=torch.float32)
     assert Path(model_module(model).__file__).read_text() == (out / MODELING).read_text()  # the patched code
     assert hasattr(type(model.model.layers[1].mlp), "moe_train")
+    # The routed experts load fused (the default), holding exactly the saved per-expert weights.
+    from moe_rewrite.training import unfuse_state_dict
+
+    experts = model.model.layers[1].mlp.experts
+    assert type(experts).__name__ == "_MoeRewriteFusedExperts"
     expected = original.state_dict()
-    state = model.state_dict()
+    state = unfuse_state_dict(model)
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
 
     model.train()
-    experts = model.model.layers[1].mlp.experts
-    before = [expert.gate_proj.weight.detach().clone() for expert in experts]
+    before = experts.gate_up_proj.detach().clone()
     batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     assert torch.isfinite(loss)
-    assert any(e.gate_proj.weight.grad is not None and e.gate_proj.weight.grad.abs().sum() > 0 for e in experts)
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
     torch.optim.SGD(model.parameters(), lr=1e-2).step()
-    assert any(not torch.equal(e.gate_proj.weight, b) for e, b in zip(experts, before))
+    assert not torch.equal(experts.gate_up_proj, before)

@@ -206,17 +206,18 @@ def test_router_options_are_refused_for_the_v2_form(tmp_path):
 
 
 def test_options_regenerate_and_revert(tmp_path_factory):
-    out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS, "--fuse-experts")
+    out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS, "--no-fuse-experts")
     patched = (out / "modeling_deepseek.py").read_text()
     assert "def moe_rewrite_update_bias(self):" in patched and "_moe_rewrite_checkpoint_layer(" in patched
-    assert "def from_pretrained(cls, *args, **kwargs):" in patched and "def _moe_rewrite_fuse_model(model):" in patched
+    assert "def from_pretrained(cls, *args, **kwargs):" not in patched and "_moe_rewrite_fuse_model" not in patched
     assert '"bias_update": 0.05' in patched
-    assert "aux-loss, bias-update=0.05, gradient-checkpointing, fuse-experts" in patched
+    assert "aux-loss, bias-update=0.05, gradient-checkpointing, no-fuse-experts" in patched
     code, _, err = run_cli(out / "modeling_deepseek.py", "--in-place")
     assert code == 1, err
     reverted = (out / "modeling_deepseek.py").read_text()
     default = (patched_checkpoint(tmp_path_factory, "v3") / "modeling_deepseek.py").read_text()
     assert reverted == default
+    assert (patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts") / "modeling_deepseek.py").read_text() == default
 
 
 def test_bias_update_in_a_bf16_model_is_not_rounded_away(tmp_path_factory):

@@ -21,6 +21,12 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def per_expert_checkpoint(tmp_path_factory, form: str, *options: str):
+    """A stand-in rewritten with --no-fuse-experts: models load with the per-expert nn.Linear layers (the layout LoRA
+    needs), whose training path these tests check. test_fused.py fuses them, and loads default rewrites (fused)."""
+    return patched_checkpoint(tmp_path_factory, form, "--no-fuse-experts", *options)
+
+
 @pytest.fixture(scope="module", params=["v3", "v2"])
 def form(request):
     return request.param
@@ -28,7 +34,7 @@ def form(request):
 
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory, form):
-    return patched_checkpoint(tmp_path_factory, form)
+    return per_expert_checkpoint(tmp_path_factory, form)
 
 
 def moe_layer(model):
@@ -137,7 +143,7 @@ def test_train_output_and_gradients_match_per_expert_reference(patched, form, sh
 
 
 def test_v2_aux_loss_gradient_reaches_the_router(tmp_path_factory):
-    model = build_model(patched_checkpoint(tmp_path_factory, "v2"))
+    model = build_model(per_expert_checkpoint(tmp_path_factory, "v2"))
     moe = moe_layer(model).train()
     x = torch.randn(2, 5, model.config.hidden_size)
     aux_only = moe.gate(x)[2]
@@ -150,7 +156,7 @@ def test_v2_aux_loss_gradient_reaches_the_router(tmp_path_factory):
 
 
 def test_v3_selection_in_training_equals_eval_and_bias_gets_no_gradient(tmp_path_factory):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3")))
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3")))
     with torch.no_grad():
         moe.gate.e_score_correction_bias.copy_(torch.randn_like(moe.gate.e_score_correction_bias))
     x = torch.randn(4, 6, moe.config.hidden_size)
@@ -165,7 +171,7 @@ def test_v3_selection_in_training_equals_eval_and_bias_gets_no_gradient(tmp_path
 @pytest.mark.parametrize("options", [(), ("--stacking", "sequential")], ids=["stack", "sequential"])
 def test_moe_train_with_given_routing(tmp_path_factory, routing, options):
     """Skewed routing: every token's first slot goes to expert 3; most experts get no token at all."""
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3", *options))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3", *options))).train()
     n, k, e = 9, moe.config.num_experts_per_tok, moe.config.n_routed_experts
     x = torch.randn(n, moe.config.hidden_size, requires_grad=True)
     if routing == "all-to-one":
@@ -199,7 +205,7 @@ def test_moe_train_with_given_routing(tmp_path_factory, routing, options):
 
 
 def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     module = model_module(moe)
     x = torch.randn(6, moe.config.hidden_size)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
@@ -221,14 +227,14 @@ def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
 
 
 def test_loop_backend_written_into_the_file_is_used(tmp_path_factory):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3", "--backend", "loop")))
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3", "--backend", "loop")))
     assert "MOE_REWRITE_BACKEND" not in os.environ
     assert model_module(moe)._moe_rewrite_kernel(torch.randn(2, 2), torch.float32) == "loop"
 
 
 def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
     """Experts laid out at a fixed stride in one buffer (as in an FSDP flat parameter): a view, not a stack copy."""
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     module = model_module(moe)
     experts = list(moe.experts)
     sizes = [p.numel() for p in experts[0].parameters()]
@@ -272,7 +278,7 @@ def test_experts_that_are_not_plain_linear_layers_run_through_the_loop(tmp_path_
         def forward(self, x):
             return 2 * super().forward(x)
 
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     for expert in moe.experts:
         old = expert.up_proj
         expert.up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
@@ -293,7 +299,7 @@ def _expert_grads(moe):
 
 def test_direct_weight_gradients_equal_autograd_ones_and_accumulate(tmp_path_factory, monkeypatch):
     """Backward writes expert weight gradients itself (fewer autograd leaves); it must equal autograd's own path."""
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     module = model_module(moe)
     x = torch.randn(10, moe.config.hidden_size)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(10)])
@@ -319,7 +325,7 @@ def test_direct_weight_gradients_equal_autograd_ones_and_accumulate(tmp_path_fac
 
 
 def test_hooked_weights_get_their_gradients_through_autograd(tmp_path_factory):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     seen = []
     moe.experts[0].down_proj.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
     ids = torch.zeros(4, 2, dtype=torch.long)
@@ -331,7 +337,7 @@ def test_hooked_weights_get_their_gradients_through_autograd(tmp_path_factory):
 
 def test_only_experts_trainable_still_get_gradients(tmp_path_factory):
     """Inputs that need no gradient: the experts must still be trained (the node keeps one autograd edge)."""
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     x = torch.randn(6, moe.config.hidden_size)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
     y = moe.moe_train(x, ids, torch.rand(6, 2))
@@ -344,7 +350,7 @@ def test_only_experts_trainable_still_get_gradients(tmp_path_factory):
 
 def test_autocast_runs_the_experts_in_the_autocast_dtype_with_fp32_gradients(tmp_path_factory):
     """fp32 weights under torch.autocast (e.g. Trainer with bf16=True): computed like nn.Linear would, in bf16."""
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     x = torch.randn(12, moe.config.hidden_size, requires_grad=True)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
@@ -369,7 +375,7 @@ def test_autocast_runs_the_experts_in_the_autocast_dtype_with_fp32_gradients(tmp
 
 
 def test_autograd_grad_and_backward_inputs_do_not_touch_expert_grads(tmp_path_factory):
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     x = torch.randn(6, moe.config.hidden_size, requires_grad=True)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(6)])
     (gx,) = torch.autograd.grad(moe.moe_train(x, ids, torch.rand(6, 2)).sum(), x)
@@ -383,7 +389,7 @@ def test_one_wrapped_expert_sends_the_layer_through_the_loop(tmp_path_factory):
         def forward(self, x):
             return 2 * super().forward(x)
 
-    moe = moe_layer(build_model(patched_checkpoint(tmp_path_factory, "v3"))).train()
+    moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3"))).train()
     old = moe.experts[3].up_proj
     moe.experts[3].up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
     moe.experts[3].up_proj.weight.data.copy_(old.weight)
@@ -411,7 +417,7 @@ def fused_grads(moe) -> dict:
 def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeypatch, layout):
     """The GPU production path, torch._grouped_mm, run on CPU in bf16: transposes, int32 offsets, empty experts; with
     the experts' own weights, the weights in one flat buffer (FSDP1), and fused experts."""
-    model = build_model(patched_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
+    model = build_model(per_expert_checkpoint(tmp_path_factory, "v3")).to(torch.bfloat16)
     moe = moe_layer(model).train()
     ref = copy.deepcopy(moe).double()
     if layout == "flat":
