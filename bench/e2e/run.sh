@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
 # End-to-end FSDP comparison on one host (issue: training at scale). Run from the repository root on the GPU machine:
 #   bash bench/e2e/run.sh            # NPROC defaults to the number of GPUs
+# PER_EXPERT=1 adds rows for files rewritten with --no-fuse-experts; FORWARD_PREFETCH=1 adds FSDP1 rows (baseline and
+# defaults) with forward_prefetch=True; NO_CKPT_ROW=0 leaves out the row without gradient checkpointing.
 # Environment (transformers 4.5x and libcst from .whl/): bench/e2e/setup.sh.
 set -euo pipefail
 source bench/e2e/setup.sh
 STEPS=${STEPS:-14}
 # Gradients are reduced after the last of the --accum micro-batches only (as accelerate does; --sync-each-micro-batch
-# reduces after every one). Baseline: the naive per-expert loop; candidates: the defaults, and the defaults plus
-# --fuse-experts (models load with each layer's experts in two parameters). All with --gradient-checkpointing, so that
-# gradient_checkpointing_enable() works in the V3 form.
-python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --gradient-checkpointing
+# reduces after every one). Baseline: the naive per-expert loop over the experts' own nn.Linear layers; candidate: the
+# defaults (models load with each layer's experts fused into two parameters). All with --gradient-checkpointing, so
+# that gradient_checkpointing_enable() works in the V3 form.
+python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/naive-loop --backend loop --no-fuse-experts --gradient-checkpointing
 python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite --gradient-checkpointing
-python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/moe-rewrite-fused --gradient-checkpointing --fuse-experts
+python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/per-expert --no-fuse-experts --gradient-checkpointing
 run() {  # impl checkpoint-dir fsdp [extra args...]
   local impl=$1 dir=$2 fsdp=$3; shift 3
+  local tag; tag=$(echo "$*" | tr -d ' -')
   torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$dir" --impl "$impl" \
-    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${fsdp}_${dir}${1:+_nockpt}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
+    --fsdp "$fsdp" --steps "$STEPS" --out "$OUT/row_${fsdp}_${dir}${tag:+_$tag}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
 }
 for fsdp in fsdp2 fsdp1; do
   run naive-loop naive-loop $fsdp
   run moe-rewrite moe-rewrite $fsdp
-  run moe-rewrite moe-rewrite-fused $fsdp
+  if [ -n "${PER_EXPERT:-}" ]; then run moe-rewrite per-expert $fsdp; fi
 done
-run moe-rewrite moe-rewrite-fused fsdp2 --no-grad-ckpt
+if [ -n "${FORWARD_PREFETCH:-}" ]; then
+  run naive-loop naive-loop fsdp1 --forward-prefetch
+  run moe-rewrite moe-rewrite fsdp1 --forward-prefetch
+fi
+if [ "${NO_CKPT_ROW:-1}" != 0 ]; then run moe-rewrite moe-rewrite fsdp2 --no-grad-ckpt; fi
 STEPS=$STEPS python3 bench/e2e/report.py "$OUT" "$NPROC"

@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
     parser.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation (both)")
     parser.add_argument("--profile", help="write a kernel-time table of the last two steps (rank 0) to this file")
+    parser.add_argument("--trace", help="with --profile: also write the Chrome trace (Python stacks on) to this file")
+    parser.add_argument("--forward-prefetch", action="store_true", help="FSDP1: forward_prefetch=True (both rows)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -118,7 +120,8 @@ def main() -> None:
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-        model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None)
+        model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None,
+                     forward_prefetch=args.forward_prefetch)
     fused_adamw = args.adamw == "fused" and cuda
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused_adamw, foreach=not fused_adamw
@@ -136,7 +139,7 @@ def main() -> None:
         if args.profile and rank == 0 and step == args.steps - 2:
             profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                record_shapes=False,
+                record_shapes=False, with_stack=bool(args.trace),
             )
             profiler.__enter__()
         if cuda:
@@ -168,6 +171,8 @@ def main() -> None:
             f.write(busy_summary(profiler.events(), times[-2:]) + "\n\n")
             f.write(averages.table(sort_by="cuda_time_total", row_limit=40) + "\n\n")
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        if args.trace:
+            profiler.export_chrome_trace(args.trace)
     peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     timed = sorted(times[args.warmup :])
@@ -178,7 +183,7 @@ def main() -> None:
             impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
             gradient_checkpointing=grad_ckpt, fused_experts=fused, accum=args.accum,
-            sync_each_micro_batch=args.sync_each_micro_batch, step_times_s=[round(t, 4) for t in times],
+            sync_each_micro_batch=args.sync_each_micro_batch, forward_prefetch=args.forward_prefetch, step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
             json.dump(row, f)
