@@ -16,7 +16,7 @@ result = {
     "device": f"{nproc} x {torch.cuda.get_device_name()}",
     "date": time.strftime("%Y-%m-%d"),
     "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-    "command": (f"STEPS={os.environ['STEPS']} " if os.environ.get("STEPS") else "") + f"NPROC={nproc} bash bench/e2e/run.sh",
+    "command": os.environ.get("BENCH_COMMAND", f"NPROC={nproc} bash bench/e2e/run.sh"),
     "torch": torch.__version__,
     "rows": rows,
 }
@@ -25,7 +25,7 @@ name = "h200x2-e2e.json" if nproc == 2 else f"h200x{nproc}-e2e.json"
 print(f"\n{'fsdp':6} {'impl':12} {'fused':5} {'fwdpf':5} {'ckpt':5} {'step s':>8} {'tok/s/GPU':>10} {'peak GB':>8} {'speedup':>8} {'max loss rel diff':>18}")
 for r in rows:
     base = next((b for b in rows if b["fsdp"] == r["fsdp"] and b["impl"] == "naive-loop"
-                 and b.get("forward_prefetch") == r.get("forward_prefetch")), None)
+                 and b.get("forward_prefetch") == r.get("forward_prefetch") and b.get("layers") == r.get("layers")), None)
     speed = base["step_s"] / r["step_s"] if base else float("nan")
     diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
     print(f"{r['fsdp']:6} {r['impl']:12} {str(r.get('fused_experts', False)):5} {str(r.get('forward_prefetch', False)):5} {str(r['gradient_checkpointing']):5} {r['step_s']:8.3f} "
