@@ -19,6 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging
 
+from moe_rewrite.training import unfuse_state_dict
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "deepseek_v3"
 
@@ -68,8 +70,13 @@ def main() -> None:
 
     say("4. training the patched checkpoint (AdamW, 5 steps, CPU)")
     model = AutoModelForCausalLM.from_pretrained(patched_dir, trust_remote_code=True).train()
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
-    print(f"   weights identical to the original checkpoint: {same}")
+    fused = [m for m in model.modules() if type(m).__name__ == "_MoeRewriteFusedExperts"]
+    print(f"   routed experts loaded fused: {len(fused)} MoE layer(s), 2 parameters each instead of "
+          f"{3 * len(fused[0]) if fused else 0}")
+    # What save_pretrained writes: the checkpoint's own per-expert keys.
+    expected, loaded = original.state_dict(), unfuse_state_dict(model)
+    same = loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
+    print(f"   weights identical to the original checkpoint (per-expert keys): {same}")
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(5):
         loss = model(input_ids=batch, labels=batch).loss

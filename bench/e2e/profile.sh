@@ -9,6 +9,6 @@ tag=${PER_EXPERT:+_per_expert}
 for fsdp in ${FSDP:-fsdp1 fsdp2}; do
   torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt /tmp/e2e/moe-rewrite --impl moe-rewrite \
     --fsdp $fsdp --steps 6 --profile "$OUT/profile_e2e${tag}_$fsdp.txt" ${TRACE:+--trace /tmp/e2e/trace_$fsdp.json} \
-    --out "$OUT/row_profiled${tag}_$fsdp.json" 2>&1 | grep "step\|Error" || true
+    --out "$OUT/profiled${tag}_$fsdp.json" 2>&1 | grep "step\|Error" || true
   if [ -n "${TRACE:-}" ]; then python3 bench/e2e/gaps.py /tmp/e2e/trace_$fsdp.json | tee "$OUT/gaps_e2e${tag}_$fsdp.txt"; fi
 done

@@ -16,9 +16,9 @@ class MoEGate(nn.Module):
         return topk_idx, topk_weight * self.routed_scaling_factor
 
 
-# ---- moe-rewrite 0.1.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
+# ---- moe-rewrite 0.2.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
 # Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
-MOE_REWRITE_OPTIONS = {"version": "0.1.0", "backend": "auto", "stacking": "stack"}
+MOE_REWRITE_OPTIONS = {"version": "0.2.0", "backend": "auto", "stacking": "stack"}
 
 
 def _moe_rewrite_compute_dtype(x):
