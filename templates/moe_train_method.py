@@ -20,6 +20,8 @@ class MoE:
             return _moe_rewrite_loop(experts, x, topk_ids, topk_weight)
         if isinstance(experts, _MoeRewriteFusedExperts):  # after moe_rewrite_fuse_experts()
             gate_up_w, down_w, act_fn = (experts.gate_up_proj,), (experts.down_proj,), experts.act_fn
+            if torch.is_grad_enabled() and not experts.gate_up_proj.requires_grad:
+                _moe_rewrite_warn_frozen()
         else:
             weights = _moe_rewrite_expert_weights(experts)
             if weights is None:

@@ -280,6 +280,18 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
 
+def _moe_rewrite_warn_frozen():
+    """Fused experts are trained frozen: say so (once per process, by the warnings module's own filter), as LoRA
+    (PEFT's target_modules) silently skips them."""
+    import warnings
+
+    warnings.warn(
+        "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
+        "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
+        stacklevel=3,
+    )
+
+
 def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
     """The (E, 2 * intermediate, hidden) gate_up and (E, hidden, intermediate) down tensors holding the experts'
     weights, in the first weight's dtype and device (filled in place: no per-expert temporaries)."""
@@ -469,6 +481,8 @@ class DeepseekV3MoE(nn.Module):
             return _moe_rewrite_loop(experts, x, topk_ids, topk_weight)
         if isinstance(experts, _MoeRewriteFusedExperts):  # after moe_rewrite_fuse_experts()
             gate_up_w, down_w, act_fn = (experts.gate_up_proj,), (experts.down_proj,), experts.act_fn
+            if torch.is_grad_enabled() and not experts.gate_up_proj.requires_grad:
+                _moe_rewrite_warn_frozen()
         else:
             weights = _moe_rewrite_expert_weights(experts)
             if weights is None:
