@@ -72,7 +72,7 @@ def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) ->
 
 
 def render_model_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
-    """The PreTrainedModel subclass's save_pretrained, and the from_pretrained / _from_config of --fuse-experts."""
+    """The PreTrainedModel subclass's save_pretrained, and (unless --no-fuse-experts) the fusing from_pretrained / _from_config."""
     methods = _methods(SAVE_PRETRAINED_METHOD, module)
     if options.fuse_experts:
         methods += _methods(FUSED_EXPERTS_METHODS, module)

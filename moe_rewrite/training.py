@@ -10,8 +10,9 @@ over data-parallel ranks. Call it yourself, or let one of these do it:
     from moe_rewrite.training import BiasUpdateCallback
     Trainer(..., callbacks=[BiasUpdateCallback()])    # transformers' Trainer
 
-Every rewritten MoE layer can also hold its routed experts in two fused parameters instead of 3 * E nn.Linear
-weights (faster, most of all under FSDP); do it after loading and before wrapping the model:
+Every rewritten MoE layer can hold its routed experts in two fused parameters instead of 3 * E nn.Linear weights
+(faster, most of all under FSDP). Models of files rewritten with the defaults load fused; for files rewritten with
+--no-fuse-experts, fuse after loading and before wrapping the model:
 
     from moe_rewrite.training import fuse_experts
     fuse_experts(model)                               # then FSDP / DDP / Trainer, optimizer

@@ -261,6 +261,12 @@ def test_default_rewrite_loads_every_model_fused(tmp_path_factory, form, monkeyp
     with torch.no_grad():
         assert rel_err(model.eval()(input_ids=ids).logits, original(input_ids=ids).logits) < REL
     assert type(moe_layer(build_model(out)).experts).__name__ == "_MoeRewriteFusedExperts"  # from_config
+    # A checkpoint written from state_dict() (fused names) is refused, not loaded with random experts.
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+    with pytest.raises(RuntimeError, match="holds fused expert weights .*unfuse_state_dict"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, torch_dtype=torch.float32)
     monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
     assert type(moe_layer(build_model(out)).experts).__name__ == "ModuleList"
 

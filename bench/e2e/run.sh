@@ -7,7 +7,7 @@
 # Environment (transformers 4.5x and libcst from .whl/): bench/e2e/setup.sh.
 set -euo pipefail
 source bench/e2e/setup.sh
-# The model is Moonlight's depth by default, 1 dense + 26 MoE layers (15.5B parameters, ~100 GB of the 141 GB per GPU):
+# The model is Moonlight's depth by default, 1 dense + 26 MoE layers (15.5B parameters, 77-78 GB of the 141 GB per GPU):
 # the issue asks for enough layers to fill the GPUs. MOE_LAYERS=4 gives the smaller model of earlier runs.
 MOE_LAYERS=${MOE_LAYERS:-26}
 STEPS=${STEPS:-10}

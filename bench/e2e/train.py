@@ -102,7 +102,7 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     with device:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
-    # Files rewritten with --fuse-experts build the model with fused experts (two parameters per MoE layer).
+    # Files rewritten with the defaults build the model with fused experts (two parameters per MoE layer).
     fused = any(type(m).__name__ == "_MoeRewriteFusedExperts" for m in model.modules())
     grad_ckpt = not args.no_grad_ckpt
     if grad_ckpt:

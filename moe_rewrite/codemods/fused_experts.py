@@ -41,8 +41,8 @@ def transform(module: cst.Module, options: RewriteOptions) -> cst.Module:
             clashes = defined & {method.name.value for method in methods}
             if clashes and options.fuse_experts:
                 raise RewriteError(
-                    f"{cls.name.value} defines {', '.join(sorted(clashes))} itself, which fused-experts loading "
-                    "overrides; rewrite with --no-fuse-experts"
+                    f"{cls.name.value} defines {', '.join(sorted(clashes))} itself, where moe-rewrite "
+                    "adds its own for fused experts; rewrite with --no-fuse-experts"
                 )
             body += [method for method in methods if method.name.value not in defined]
         new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
