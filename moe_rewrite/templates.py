@@ -72,7 +72,8 @@ def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) ->
 
 
 def render_model_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
-    """The PreTrainedModel subclass's save_pretrained, and (unless --no-fuse-experts) the fusing from_pretrained / _from_config."""
+    """The PreTrainedModel subclass's save_pretrained, and (unless --no-fuse-experts) the from_pretrained /
+    _from_config that fuse the routed experts."""
     methods = _methods(SAVE_PRETRAINED_METHOD, module)
     if options.fuse_experts:
         methods += _methods(FUSED_EXPERTS_METHODS, module)

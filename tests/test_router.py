@@ -217,7 +217,8 @@ def test_options_regenerate_and_revert(tmp_path_factory):
     reverted = (out / "modeling_deepseek.py").read_text()
     default = (patched_checkpoint(tmp_path_factory, "v3") / "modeling_deepseek.py").read_text()
     assert reverted == default
-    assert (patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts") / "modeling_deepseek.py").read_text() == default
+    explicit = patched_checkpoint(tmp_path_factory, "v3", "--fuse-experts")
+    assert (explicit / "modeling_deepseek.py").read_text() == default
 
 
 def test_bias_update_in_a_bf16_model_is_not_rounded_away(tmp_path_factory):

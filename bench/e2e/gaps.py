@@ -26,7 +26,9 @@ def main() -> None:
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()]
     compute = [e for e in gpu if "nccl" not in e["name"].lower()]
-    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     frames = sorted((e for e in events if e.get("cat") == "python_function"), key=lambda e: e["ts"])
     frame_starts = [e["ts"] for e in frames]
 
@@ -59,7 +61,8 @@ def main() -> None:
             launch = launches.get(e.get("args", {}).get("correlation"))
             if launch is not None and rest > 0:
                 stack = [name for name in stack_at(launch["tid"], launch["ts"]) if not name.startswith("<built-in")]
-                mine = [n for n in stack if "modeling_deepseek" in n or "fully_sharded" in n or "fsdp" in n or "train.py" in n]
+                ours = ("modeling_deepseek", "fully_sharded", "fsdp", "train.py")
+                mine = [n for n in stack if any(part in n for part in ours)]
                 by_frame[" > ".join(n.split(": ", 1)[-1][:60] for n in (mine or stack)[-3:])] += rest
                 by_op[e["name"][:80]] += rest
         end = max(end, e["ts"] + e["dur"])

@@ -183,7 +183,8 @@ def main() -> None:
             impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
             gradient_checkpointing=grad_ckpt, fused_experts=fused, layers=config.num_hidden_layers, accum=args.accum,
-            sync_each_micro_batch=args.sync_each_micro_batch, forward_prefetch=args.forward_prefetch, step_times_s=[round(t, 4) for t in times],
+            sync_each_micro_batch=args.sync_each_micro_batch, forward_prefetch=args.forward_prefetch,
+            step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
             json.dump(row, f)

@@ -1,8 +1,8 @@
 """Methods on the file's PreTrainedModel subclass, for fused experts (see `_MoeRewriteFusedExperts`).
 
 Always: `save_pretrained`, which writes fused experts as the checkpoint's own per-expert keys. By default (not with
---no-fuse-experts): `from_pretrained` and `_from_config` overrides that call the generated `_moe_rewrite_fuse_model` after
-loading, so every model class of the file (the base model, ForCausalLM, ...) comes out of
+--no-fuse-experts): `from_pretrained` and `_from_config` overrides that call the generated `_moe_rewrite_fuse_model`
+after loading, so every model class of the file (the base model, ForCausalLM, ...) comes out of
 `AutoModel*.from_pretrained(..., trust_remote_code=True)` with each MoE layer's experts in two parameters. Running with
 --no-fuse-experts removes those two. A file without a PreTrainedModel subclass (no model class to load) gets none.
 """
