@@ -77,7 +77,8 @@ def _publish(
 
 def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     gate = f" + {result.gate_class}" if result.form == "v3" else ""
-    return f"{result.form.upper()} form, {result.moe_class}{gate}; {options.describe()}"
+    changed = f"; {result.compat}" if result.compat else ""
+    return f"{result.form.upper()} form, {result.moe_class}{gate}; {options.describe()}{changed}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -105,8 +106,10 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="V3 form: train the router with the complementary sequence-wise balance loss (aux_loss_alpha).")
 @click.option("--bias-update", type=float, metavar="RATE",
               help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).")
-@click.option("--gradient-checkpointing", is_flag=True,
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=True, show_default=True,
               help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
+@click.option("--compat/--no-compat", default=True, show_default=True,
+              help="Guard the file's uses of transformers APIs that later releases removed, so it runs on 4.46 to 5.x.")
 @click.option("--fuse-experts/--no-fuse-experts", default=True, show_default=True,
               help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
                    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
@@ -115,7 +118,7 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(specs, out, in_place, check, diff, revision, token, backend, stacking, aux_loss, bias_update,
-            gradient_checkpointing, fuse_experts, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
+            gradient_checkpointing, compat, fuse_experts, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
             push_revision) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
@@ -131,6 +134,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         bias_update=bias_update,
         gradient_checkpointing=gradient_checkpointing,
         fuse_experts=fuse_experts,
+        compat=compat,
     )
     if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")

@@ -17,8 +17,9 @@ class RewriteOptions:
     stacking: str = "stack"
     aux_loss: bool = False  # V3 form: the complementary sequence-wise balance loss, weighted by aux_loss_alpha
     bias_update: float | None = None  # V3 form: aux-loss-free balancing, bias += RATE * sign(mean load - load)
-    gradient_checkpointing: bool = False  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
+    gradient_checkpointing: bool = True  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
     fuse_experts: bool = True  # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts)
+    compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -29,16 +30,19 @@ class RewriteOptions:
             raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
 
     def describe(self) -> str:
-        """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, gradient-checkpointing][, no-fuse-experts]"""
+        """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
+        [, no-compat]: the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
         if self.bias_update is not None:
             parts.append(f"bias-update={self.bias_update:g}")
-        if self.gradient_checkpointing:
-            parts.append("gradient-checkpointing")
+        if not self.gradient_checkpointing:
+            parts.append("no-gradient-checkpointing")
         if not self.fuse_experts:
             parts.append("no-fuse-experts")
+        if not self.compat:
+            parts.append("no-compat")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

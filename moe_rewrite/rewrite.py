@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import checkpointing, fused_experts, gate, moe_forward
+from moe_rewrite.codemods import checkpointing, compat, fused_experts, gate, init_weights, moe_forward
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
+from moe_rewrite.templates import CHECKPOINTING_TEMPLATE, COMPAT_CACHE_TEMPLATE
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
@@ -20,6 +21,7 @@ class RewriteResult:
     form: str  # "v3" or "v2"
     moe_class: str
     gate_class: str
+    compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
 
 
 def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> RewriteResult:
@@ -28,10 +30,22 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as e:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
-    module, info = moe_forward.transform(module, options)
+    module, compat_changes = compat.transform(module, options.compat)
+    module, checkpointed = checkpointing.transform(module, options.gradient_checkpointing)
+    module, guarded = init_weights.transform(module, guard=options.compat)
+    # The block's sections that these edits call.
+    sections = tuple(
+        name
+        for name, called in [
+            (COMPAT_CACHE_TEMPLATE, compat_changes.cache_calls),
+            (CHECKPOINTING_TEMPLATE, checkpointed),
+            (init_weights.TEMPLATE, guarded),
+        ]
+        if called
+    )
+    module, info = moe_forward.transform(module, options, sections)
     if info.form == "v3":
         module = gate.transform(module, info.gate_class)
-    module = checkpointing.transform(module, options.gradient_checkpointing)
     module = fused_experts.transform(module, options)
     new_text = module.code
     return RewriteResult(
@@ -40,4 +54,5 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
         form=info.form,
         moe_class=info.name,
         gate_class=info.gate_class or "",
+        compat=compat_changes.describe(),
     )

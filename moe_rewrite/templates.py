@@ -18,6 +18,7 @@ AUX_LOSS_TEMPLATE = "aux_loss_block.py"
 BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
 CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
 FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
+COMPAT_CACHE_TEMPLATE = "compat_cache_helpers.py"
 FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
 SAVE_PRETRAINED_METHOD = "save_pretrained_method.py"
 
@@ -43,6 +44,11 @@ def _render(name: str, module: cst.Module, **replacements: cst.BaseExpression) -
     return list(parsed.body)
 
 
+def render_statements(name: str, module: cst.Module) -> list[cst.BaseStatement]:
+    """A template's statements, rendered for `module` (a template without placeholders)."""
+    return _render(name, module)
+
+
 def options_literal(options: RewriteOptions) -> cst.Dict:
     text = json.dumps(options.as_dict(__version__))
     return cst.ensure_type(cst.parse_expression(text), cst.Dict)
@@ -56,17 +62,18 @@ def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]
     return [cst.EmptyLine(), cst.EmptyLine()] + [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]
 
 
-def render_block(module: cst.Module, moe_class: str, options: RewriteOptions) -> list[cst.BaseStatement]:
-    """The module-level helper block (with the opt-in sections asked for), its first statement carrying the banner."""
+def render_block(
+    module: cst.Module, moe_class: str, options: RewriteOptions, extra_sections: tuple[str, ...] = ()
+) -> list[cst.BaseStatement]:
+    """The module-level helper block (with the opt-in sections asked for, then `extra_sections`: templates that other
+    codemods' edits call), its first statement carrying the banner."""
     body = _render(BLOCK_TEMPLATE, module, options=options_literal(options))
-    sections = [(options.aux_loss, AUX_LOSS_TEMPLATE), (options.gradient_checkpointing, CHECKPOINTING_TEMPLATE),
-                (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)]
-    for wanted, name in sections:
-        if wanted:
-            section = _render(name, module)
-            # Two blank lines between top-level definitions, as in the rest of the block.
-            section[0] = section[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)
-            body += section
+    wanted = [name for on, name in [(options.aux_loss, AUX_LOSS_TEMPLATE), (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)] if on]
+    for name in [*wanted, *extra_sections]:
+        section = _render(name, module)
+        # Two blank lines between top-level definitions, as in the rest of the block.
+        section[0] = section[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)
+        body += section
     body[0] = body[0].with_changes(leading_lines=banner_lines(moe_class, options))
     return body
 

@@ -1,4 +1,4 @@
-"""Make `gradient_checkpointing_enable()` work in the V3 form (opt-in: --gradient-checkpointing).
+"""Make `gradient_checkpointing_enable()` work in the V3 form (on by default; --no-gradient-checkpointing).
 
 The V3-form model class advertises `supports_gradient_checkpointing = True`, but its decoder loop never checkpoints::
 
@@ -134,7 +134,8 @@ def _layer_loops_in(node: cst.CSTNode) -> bool:
     return bool(m.findall(node, m.For(iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers")))))
 
 
-def transform(module: cst.Module, enabled: bool) -> cst.Module:
+def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, bool]:
+    """The module with the checkpointing branch added (enabled) or removed, and whether the generated helper is called."""
     forwards = [
         fn
         for cls in module.body
@@ -143,8 +144,8 @@ def transform(module: cst.Module, enabled: bool) -> cst.Module:
         if isinstance(fn, cst.FunctionDef) and fn.name.value == "forward" and _layer_loops(fn)
     ]
     if enabled and not forwards:
-        raise RewriteError("--gradient-checkpointing: no model forward with a `for ... in self.layers:` loop")
+        raise RewriteError("gradient checkpointing: no model forward with a `for ... in self.layers:` loop")
     for forward in forwards:
         if not _natively_checkpointed(forward):  # the V2 form checkpoints already
             module = cst.ensure_type(module.deep_replace(forward, _rewrite_forward(forward, enabled, module.config_for_parsing)), cst.Module)
-    return module
+    return module, bool(m.findall(module, OUR_CALL))

@@ -256,11 +256,13 @@ def _is_generated(stmt: cst.BaseStatement) -> bool:
     return bool(names) and all(n.startswith(GENERATED_PREFIXES) for n in names)
 
 
-def transform(module: cst.Module, options: RewriteOptions) -> tuple[cst.Module, MoeClassInfo]:
+def transform(
+    module: cst.Module, options: RewriteOptions, extra_sections: tuple[str, ...] = ()
+) -> tuple[cst.Module, MoeClassInfo]:
     moe = find_moe_class(module)
     forward, form = rewrite_forward(moe, options)
     new_moe = with_methods(moe, forward, render_moe_methods(module, options))
-    block = render_block(module, moe.name.value, options)
+    block = render_block(module, moe.name.value, options, extra_sections)
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
         if _is_generated(stmt):

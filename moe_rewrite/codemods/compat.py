@@ -1,0 +1,280 @@
+"""Keep the file running on every transformers release from 4.46 to the newest 5.x (on by default; --no-compat).
+
+The published files were written against transformers 4.36-4.45. Later releases removed what they call; each edit
+below keeps the old behaviour where the old API still exists and answers with the new API where it does not::
+
+    # Before
+    from transformers.utils.import_utils import is_torch_fx_available
+    ...
+    kv_seq_len += past_key_value.get_usable_length(kv_seq_len, self.layer_idx)
+    past_key_values = DynamicCache.from_legacy_cache(past_key_values)
+    class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel):
+    # After
+    try:
+        from transformers.utils.import_utils import is_torch_fx_available
+    except ImportError:  # moe-rewrite: gone in transformers 5.x; defined here as 4.x had it
+        def is_torch_fx_available():
+            ...
+    from transformers.generation import GenerationMixin  # moe-rewrite: generate() needs it since transformers 4.50
+    ...
+    kv_seq_len += _moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)
+    past_key_values = _moe_rewrite_cache_from_legacy(DynamicCache, past_key_values)
+    class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
+
+The cache helpers are in templates/compat_cache_helpers.py, the import fallbacks in templates/compat_*.py. A name that
+is gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
+--no-compat gives the file's coupling back as published and a second run changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+
+from moe_rewrite.errors import RewriteError
+from moe_rewrite.templates import render_statements
+
+DESCRIPTION = "Guards imports and Cache calls that later transformers releases removed; adds GenerationMixin."
+
+# (module, name) -> the template defining the name where the import fails.
+FALLBACKS = {
+    ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available.py",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask.py",
+}
+GONE_MODULES = {"transformers.modeling_attn_mask_utils": "5.x"}  # the whole module
+GONE_NAMES = {("transformers.utils.import_utils", "is_torch_fx_available"): "5.0"}
+
+# method name -> the generated helper that answers it; the receiver becomes the helper's first argument.
+CACHE_METHODS = {
+    "get_usable_length": "_moe_rewrite_cache_usable_length",
+    "get_max_length": "_moe_rewrite_cache_max_length",
+    "from_legacy_cache": "_moe_rewrite_cache_from_legacy",
+    "to_legacy_cache": "_moe_rewrite_cache_to_legacy",
+}
+SEEN_TOKENS_HELPER = "_moe_rewrite_cache_seen_tokens"
+HELPERS = {helper: method for method, helper in CACHE_METHODS.items()}
+
+MARK = "# moe-rewrite:"
+MIXIN_IMPORT = "from transformers.generation import GenerationMixin  # moe-rewrite: generate() needs it since transformers 4.50\n"
+SELF_OR_SUPER = m.Name("self") | m.Call(func=m.Name("super"))
+
+
+@dataclass
+class CompatChanges:
+    imports: list[str] = field(default_factory=list)  # the guarded names
+    cache_calls: int = 0
+    generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
+
+    def describe(self) -> str:
+        """'compat: 2 imports guarded, 7 Cache calls, GenerationMixin on X' or '' when nothing changed."""
+        parts = []
+        if self.imports:
+            parts.append(f"{len(self.imports)} import{'s' if len(self.imports) != 1 else ''} guarded")
+        if self.cache_calls:
+            parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
+        if self.generation_mixin:
+            parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
+        return f"compat: {', '.join(parts)}" if parts else ""
+
+
+def _module_name(node: cst.ImportFrom) -> str:
+    return "." * len(node.relative) + (cst.Module(body=[]).code_for_node(node.module) if node.module else "")
+
+
+def _is_our_guard(stmt: cst.CSTNode) -> bool:
+    if not (isinstance(stmt, cst.Try) and len(stmt.handlers) == 1):
+        return False
+    comment = stmt.handlers[0].body.header.comment  # type: ignore[union-attr]
+    return comment is not None and comment.value.startswith(MARK)
+
+
+def _is_our_mixin_import(stmt: cst.CSTNode) -> bool:
+    return (
+        m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom(names=[m.ImportAlias(name=m.Name("GenerationMixin"))])]))
+        and stmt.trailing_whitespace.comment is not None  # type: ignore[attr-defined]
+        and stmt.trailing_whitespace.comment.value.startswith(MARK)  # type: ignore[attr-defined]
+    )
+
+
+class _Undo(cst.CSTTransformer):
+    """Helper calls back to the Cache methods they stand for."""
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        name = updated_node.func.value if isinstance(updated_node.func, cst.Name) else None
+        if name == SEEN_TOKENS_HELPER:
+            return cst.Attribute(value=updated_node.args[0].value, attr=cst.Name("seen_tokens"))
+        if name in HELPERS:
+            receiver, *args = updated_node.args
+            if args:
+                args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return cst.Call(func=cst.Attribute(value=receiver.value, attr=cst.Name(HELPERS[name])), args=args)
+        return updated_node
+
+
+def undo(module: cst.Module) -> cst.Module:
+    """The module with every compat edit taken back (a module without any is returned unchanged)."""
+    mixin_added = any(_is_our_mixin_import(s) for s in module.body)
+    body: list[cst.BaseStatement] = []
+    for stmt in module.body:
+        if _is_our_guard(stmt):
+            body += [s.with_changes(leading_lines=[*stmt.leading_lines, *s.leading_lines]) for s in stmt.body.body]
+        elif _is_our_mixin_import(stmt):
+            continue
+        elif mixin_added and isinstance(stmt, cst.ClassDef):
+            bases = [b for b in stmt.bases if not m.matches(b.value, m.Name("GenerationMixin"))]
+            if len(bases) != len(stmt.bases):
+                bases[-1] = bases[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                stmt = stmt.with_changes(bases=bases)
+            body.append(stmt)
+        else:
+            body.append(stmt)
+    return module.with_changes(body=body).visit(_Undo())
+
+
+def _bound_names(node: cst.ImportFrom) -> list[tuple[str, str]]:
+    """(imported name, name it is bound to) for each alias of a `from M import ...`."""
+    if isinstance(node.names, cst.ImportStar):
+        return []
+    return [
+        (cst.ensure_type(a.name, cst.Name).value, a.evaluated_alias or cst.ensure_type(a.name, cst.Name).value)
+        for a in node.names
+    ]
+
+
+def _uses(module: cst.Module, name: str) -> int:
+    return len(m.findall(module, m.Name(name)))
+
+
+def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Module, changes: CompatChanges) -> cst.Try:
+    source = _module_name(node)
+    fallback: list[cst.BaseStatement] = []
+    for imported, bound in _bound_names(node):
+        template = FALLBACKS.get((source, imported))
+        if template is not None:
+            defs = render_statements(template, module)
+            fallback += [d.with_changes(name=cst.Name(bound)) if isinstance(d, cst.FunctionDef) else d for d in defs]
+            changes.imports.append(bound)
+        elif _uses(module, bound) > 1:  # more than the import itself
+            since = GONE_MODULES.get(source) or GONE_NAMES.get((source, imported), "later releases")
+            raise RewriteError(
+                f"compat: `{imported}` from {source} is gone in transformers {since} and the file uses it; "
+                "moe-rewrite has no stand-in for it (rerun with --no-compat to keep the import as it is)"
+            )
+    if not fallback:  # nothing the file uses: keep the import importable by binding nothing else
+        fallback = [cst.SimpleStatementLine(body=[cst.Pass()])]
+    since = GONE_MODULES.get(source) or next(GONE_NAMES[(source, i)] for i, _ in _bound_names(node) if (source, i) in GONE_NAMES)
+    comment = f"{MARK} gone in transformers {since}; defined here as 4.x had it"
+    handler = cst.ExceptHandler(
+        type=cst.Name("ImportError"),
+        body=cst.IndentedBlock(body=fallback, header=cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment))),
+    )
+    return cst.Try(
+        body=cst.IndentedBlock(body=[stmt.with_changes(leading_lines=[])]),
+        handlers=[handler],
+        leading_lines=stmt.leading_lines,
+    )
+
+
+def _removed(node: cst.ImportFrom) -> bool:
+    source = _module_name(node)
+    return source in GONE_MODULES or any((source, imported) in GONE_NAMES for imported, _ in _bound_names(node))
+
+
+IMPORT_FROM_LINE = m.SimpleStatementLine(body=[m.ImportFrom()])
+
+
+class _CacheCalls(cst.CSTTransformer):
+    """Cache method calls (and `.seen_tokens`) -> the generated helpers, on any receiver but self / super()."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._targets: set[int] = set()
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._targets.add(id(node.target))
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        func = updated_node.func
+        if not isinstance(func, cst.Attribute) or func.attr.value not in CACHE_METHODS or m.matches(func.value, SELF_OR_SUPER):
+            return updated_node
+        self.count += 1
+        args = [cst.Arg(func.value), *updated_node.args]
+        args = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in args]
+        return cst.Call(func=cst.Name(CACHE_METHODS[func.attr.value]), args=args)
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        if updated_node.attr.value != "seen_tokens" or id(original_node) in self._targets:
+            return updated_node
+        if m.matches(updated_node.value, SELF_OR_SUPER):
+            return updated_node
+        self.count += 1
+        return cst.Call(func=cst.Name(SEEN_TOKENS_HELPER), args=[cst.Arg(updated_node.value)])
+
+
+def _defines_cache_methods(module: cst.Module) -> list[str]:
+    names = set(CACHE_METHODS) | {"seen_tokens"}
+    return sorted({f.name.value for f in m.findall(module, m.FunctionDef()) if f.name.value in names})  # type: ignore[union-attr]
+
+
+def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Module:
+    generating = {
+        id(s)
+        for s in module.body
+        if isinstance(s, cst.ClassDef)
+        and s.bases
+        and any(m.matches(f, m.FunctionDef(name=m.Name("prepare_inputs_for_generation"))) for f in s.body.body)
+        and not any(m.matches(b.value, m.Name("GenerationMixin") | m.Attribute(attr=m.Name("GenerationMixin"))) for b in s.bases)
+    }
+    if not generating:
+        return module
+    if _uses(module, "GenerationMixin"):
+        raise RewriteError("compat: the file names GenerationMixin already, but not as a base of its generating classes")
+    body: list[cst.BaseStatement] = []
+    last_import = max(i for i, s in enumerate(module.body) if _imports_transformers(s))
+    for i, stmt in enumerate(module.body):
+        if id(stmt) in generating:
+            assert isinstance(stmt, cst.ClassDef)
+            bases = [*stmt.bases]
+            bases[-1] = bases[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            stmt = stmt.with_changes(bases=[*bases, cst.Arg(cst.Name("GenerationMixin"))])
+            changes.generation_mixin.append(stmt.name.value)
+        body.append(stmt)
+        if i == last_import:
+            body.append(cst.parse_statement(MIXIN_IMPORT.replace("\n", module.default_newline), config=module.config_for_parsing))
+    return module.with_changes(body=body)
+
+
+def _imports_transformers(stmt: cst.CSTNode) -> bool:
+    """A top-level `from transformers... import` line, or one of our guarded ones."""
+    return isinstance(stmt, (cst.SimpleStatementLine, cst.Try)) and any(
+        _module_name(cst.ensure_type(n, cst.ImportFrom)).split(".")[0] == "transformers"
+        for n in m.findall(stmt, m.ImportFrom())
+    )
+
+
+def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChanges]:
+    """The module with its compat edits (re)made, or taken back when not enabled, and what they were."""
+    module = undo(module)
+    changes = CompatChanges()
+    if not enabled:
+        return module, changes
+    for stmt in module.body:  # a removed import anywhere but at the top level cannot be guarded here
+        if not m.matches(stmt, IMPORT_FROM_LINE):
+            for node in m.findall(stmt, m.ImportFrom()):
+                if _removed(cst.ensure_type(node, cst.ImportFrom)):
+                    raise RewriteError(f"compat: `from {_module_name(node)} import ...` inside a block; rerun with --no-compat")
+    body = []
+    for stmt in module.body:
+        if m.matches(stmt, IMPORT_FROM_LINE) and _removed(stmt.body[0]):  # type: ignore[union-attr]
+            stmt = _guard(stmt, stmt.body[0], module, changes)  # type: ignore[arg-type]
+        body.append(stmt)
+    module = module.with_changes(body=body)
+    own = _defines_cache_methods(module)
+    calls = _CacheCalls()
+    rewritten = module.visit(calls)
+    if calls.count and own:
+        raise RewriteError(f"compat: the file defines its own {', '.join(own)}; rerun with --no-compat")
+    changes.cache_calls = calls.count
+    return _add_generation_mixin(rewritten, changes), changes
