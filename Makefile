@@ -5,7 +5,12 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; any torch >= 2.4 works for the generated code.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test venv clean update-pairs
+# transformers releases the compat tests run on, each in .venv-tf/RELEASE beside the main environment (whose
+# transformers, from the test extra, is the fourth). Each shares the main environment's torch through a .pth line.
+COMPAT_RELEASES ?= 4.46.3 4.57.6 5.24.0
+COMPAT_ENVS := $(foreach v,$(COMPAT_RELEASES),.venv-tf/$(v)/.installed)
+
+.PHONY: demo test venv compat-envs clean update-pairs
 
 venv: $(VENV)/.installed
 
@@ -19,12 +24,22 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(PY) examples/demo.py
 
-test: venv
-	$(PY) -m pytest -q
+compat-envs: $(COMPAT_ENVS)
+
+.venv-tf/%/.installed: $(VENV)/.installed
+	rm -rf .venv-tf/$*
+	$(PYTHON) -m venv .venv-tf/$*
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$(.venv-tf/$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_moe_rewrite_base.pth"
+	.venv-tf/$*/bin/python -m pip install -q --disable-pip-version-check "transformers==$*"
+	touch $@
+
+test: venv compat-envs
+	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q
 
 # Regenerate the expected outputs in tests/pairs/ after an intended change to templates/ or the codemods.
 update-pairs: venv
 	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k fixture_pair
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-tf build dist *.egg-info .pytest_cache

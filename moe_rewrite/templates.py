@@ -21,6 +21,7 @@ FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
 COMPAT_CACHE_TEMPLATE = "compat_cache_helpers.py"
 FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
 SAVE_PRETRAINED_METHOD = "save_pretrained_method.py"
+SAVE_CODE_TEMPLATE = "save_code_block.py"
 
 
 def _template_dir() -> Path:
@@ -68,7 +69,8 @@ def render_block(
     """The module-level helper block (with the opt-in sections asked for, then `extra_sections`: templates that other
     codemods' edits call), its first statement carrying the banner."""
     body = _render(BLOCK_TEMPLATE, module, options=options_literal(options))
-    wanted = [name for on, name in [(options.aux_loss, AUX_LOSS_TEMPLATE), (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)] if on]
+    optional = [(options.aux_loss, AUX_LOSS_TEMPLATE), (True, SAVE_CODE_TEMPLATE), (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)]
+    wanted = [name for on, name in optional if on]
     for name in [*wanted, *extra_sections]:
         section = _render(name, module)
         # Two blank lines between top-level definitions, as in the rest of the block.

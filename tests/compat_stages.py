@@ -5,7 +5,8 @@
 Stages, each in order and each only if the one before it passed: import (AutoConfig and the dynamic module), load
 (`from_pretrained(trust_remote_code=True)`, float32), eval (a forward with the config's defaults, `use_cache=True`),
 generate (cached greedy `generate()`, which must equal a no-cache greedy decode), train (one training step with the
-config's defaults, `use_cache` included). A directory without `auto_map` in its config.json loads transformers' own
+config's defaults, `use_cache` included), save (save_pretrained into a new directory, which reloads with the same
+eval logits). A directory without `auto_map` in its config.json loads transformers' own
 class for its model_type (the native cross-check). OUT.pt gets, per directory, the stage results ("ok" or a one-line
 error) and the numbers the tests compare: eval logits, generated tokens, training loss and gradients.
 
@@ -24,7 +25,7 @@ import torch
 
 PROMPT = [[3, 17, 42, 9, 100, 5, 77]]
 NEW_TOKENS = 4
-STAGES = ("import", "load", "eval", "generate", "train")
+STAGES = ("import", "load", "eval", "generate", "train", "save")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -82,6 +83,17 @@ def run(directory: Path) -> dict:
                 result["grads"] = {
                     name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
                 }
+            elif stage == "save":
+                import tempfile
+
+                saved = Path(tempfile.mkdtemp(prefix=f"{directory.name}_saved_", dir=directory.parent))
+                model.save_pretrained(saved)
+                reloaded = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=remote, torch_dtype=torch.float32)
+                with torch.no_grad():
+                    logits = reloaded.eval()(input_ids=torch.tensor(PROMPT)).logits.float()
+                worst = (logits - result["logits"]).abs().max().item()
+                if worst > 1e-6:
+                    raise AssertionError(f"the saved directory reloads with other eval logits (max diff {worst:.3g})")
         except Exception as exc:  # a stage that fails is the measurement, not a crash of the harness
             result["stages"][stage] = _one_line(exc)
             break

@@ -9,6 +9,7 @@ below keeps the old behaviour where the old API still exists and answers with th
     kv_seq_len += past_key_value.get_usable_length(kv_seq_len, self.layer_idx)
     past_key_values = DynamicCache.from_legacy_cache(past_key_values)
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel):
+        _tied_weights_keys = ["lm_head.weight"]
     # After
     try:
         from transformers.utils.import_utils import is_torch_fx_available
@@ -20,6 +21,7 @@ below keeps the old behaviour where the old API still exists and answers with th
     kv_seq_len += _moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)
     past_key_values = _moe_rewrite_cache_from_legacy(DynamicCache, past_key_values)
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for transformers 5.x
 
 The cache helpers are in templates/compat_cache_helpers.py, the import fallbacks in templates/compat_*.py. A name that
 is gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
@@ -61,11 +63,22 @@ MIXIN_IMPORT = "from transformers.generation import GenerationMixin  # moe-rewri
 SELF_OR_SUPER = m.Name("self") | m.Call(func=m.Name("super"))
 
 
+TIED_NOTE = "# moe-rewrite: {tied: source} for transformers 5.x"
+TIED_LIST = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(target=m.Name("_tied_weights_keys"))], value=m.List(elements=[m.Element(m.SimpleString())]))]
+)
+TIED_OURS = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(target=m.Name("_tied_weights_keys"))], value=m.Dict())],
+    trailing_whitespace=m.TrailingWhitespace(comment=m.Comment(TIED_NOTE)),
+)
+
+
 @dataclass
 class CompatChanges:
     imports: list[str] = field(default_factory=list)  # the guarded names
     cache_calls: int = 0
     generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
+    tied_keys: list[str] = field(default_factory=list)  # classes whose _tied_weights_keys became a dict
 
     def describe(self) -> str:
         """'compat: 2 imports guarded, 7 Cache calls, GenerationMixin on X' or '' when nothing changed."""
@@ -76,6 +89,8 @@ class CompatChanges:
             parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
         if self.generation_mixin:
             parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
+        if self.tied_keys:
+            parts.append(f"_tied_weights_keys as a dict in {', '.join(self.tied_keys)}")
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
@@ -99,7 +114,19 @@ def _is_our_mixin_import(stmt: cst.CSTNode) -> bool:
 
 
 class _Undo(cst.CSTTransformer):
-    """Helper calls back to the Cache methods they stand for."""
+    """Helper calls back to the Cache methods they stand for; our tied-keys dicts back to lists."""
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine:
+        if not m.matches(updated_node, TIED_OURS):
+            return updated_node
+        assign = cst.ensure_type(updated_node.body[0], cst.Assign)
+        keys = [cst.Element(e.key) for e in cst.ensure_type(assign.value, cst.Dict).elements if isinstance(e, cst.DictElement)]
+        return updated_node.with_changes(
+            body=[assign.with_changes(value=cst.List(elements=keys))],
+            trailing_whitespace=cst.TrailingWhitespace(),
+        )
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         name = updated_node.func.value if isinstance(updated_node.func, cst.Name) else None
@@ -254,6 +281,39 @@ def _imports_transformers(stmt: cst.CSTNode) -> bool:
     )
 
 
+def _embedding_path(cls: cst.ClassDef) -> str | None:
+    """'model.embed_tokens' from `def get_input_embeddings(self): return self.model.embed_tokens`."""
+    for fn in cls.body.body:
+        if m.matches(fn, m.FunctionDef(name=m.Name("get_input_embeddings"))):
+            returns = m.findall(fn, m.Return(value=m.Attribute()))
+            if len(returns) == 1:
+                parts = cst.Module(body=[]).code_for_node(cst.ensure_type(returns[0], cst.Return).value).split(".")  # type: ignore[arg-type]
+                if parts[0] == "self" and len(parts) > 1 and all(p.isidentifier() for p in parts):
+                    return ".".join(parts[1:])
+    return None
+
+
+def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module:
+    """`_tied_weights_keys = ["lm_head.weight"]` -> a {tied: source} dict, which 4.x iterates as the same keys."""
+    for cls in [s for s in module.body if isinstance(s, cst.ClassDef)]:
+        for stmt in cls.body.body:
+            if not m.matches(stmt, TIED_LIST):
+                continue
+            source = _embedding_path(cls)
+            if source is None:
+                raise RewriteError(
+                    f"compat: {cls.name.value}._tied_weights_keys is a list, which transformers 5.x cannot read, and its "
+                    "get_input_embeddings() does not say which weight it is tied to; rerun with --no-compat"
+                )
+            assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
+            elements = cst.ensure_type(assign.value, cst.List).elements
+            entries = ", ".join(f"{cst.Module(body=[]).code_for_node(e.value)}: \"{source}.weight\"" for e in elements)
+            new = cst.parse_statement(f"_tied_weights_keys = {{{entries}}}  {TIED_NOTE}\n", config=module.config_for_parsing)
+            module = cst.ensure_type(module.deep_replace(stmt, new.with_changes(leading_lines=stmt.leading_lines)), cst.Module)
+            changes.tied_keys.append(cls.name.value)
+    return module
+
+
 def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChanges]:
     """The module with its compat edits (re)made, or taken back when not enabled, and what they were."""
     module = undo(module)
@@ -277,4 +337,4 @@ def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChan
     if calls.count and own:
         raise RewriteError(f"compat: the file defines its own {', '.join(own)}; rerun with --no-compat")
     changes.cache_calls = calls.count
-    return _add_generation_mixin(rewritten, changes), changes
+    return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes), changes
