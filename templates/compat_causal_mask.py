@@ -1,6 +1,6 @@
 # The compat rewrite's stand-in for transformers.modeling_attn_mask_utils._prepare_4d_causal_attention_mask, which
 # transformers 5.x removed. It goes in the `except ImportError:` branch of the file's own import, so releases that still
-# have the module use theirs. tests/test_compat_runtime.py checks it gives the same masks, bit for bit.
+# have the module use theirs. tests/test_compat_codemod.py checks it gives the same masks, bit for bit.
 
 
 def _prepare_4d_causal_attention_mask(attention_mask, input_shape, inputs_embeds, past_key_values_length, sliding_window=None):

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli, run_ranks  # noqa: E402
 from test_training import REL, moe_layer, rel_err  # noqa: E402
 
-ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05", "--gradient-checkpointing")
+ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05")  # gradient checkpointing is on by default
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def _saved_bytes(model, ids):
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("rewritten", [True, False], ids=["with-option", "without"])
 def test_gradient_checkpointing_enable_works_with_identical_gradients(tmp_path_factory, rewritten, reentrant):
-    options = ("--gradient-checkpointing",) if rewritten else ()
+    options = () if rewritten else ("--no-gradient-checkpointing",)
     plain = build_model(patched_checkpoint(tmp_path_factory, "v3", *options), seed=11).train()
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -211,7 +211,7 @@ def test_options_regenerate_and_revert(tmp_path_factory):
     assert "def moe_rewrite_update_bias(self):" in patched and "_moe_rewrite_checkpoint_layer(" in patched
     assert "def from_pretrained(cls, *args, **kwargs):" not in patched and "_moe_rewrite_fuse_model" not in patched
     assert '"bias_update": 0.05' in patched
-    assert "aux-loss, bias-update=0.05, gradient-checkpointing, no-fuse-experts" in patched
+    assert "aux-loss, bias-update=0.05, no-fuse-experts" in patched
     code, _, err = run_cli(out / "modeling_deepseek.py", "--in-place")
     assert code == 1, err
     reverted = (out / "modeling_deepseek.py").read_text()

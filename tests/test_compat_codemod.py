@@ -1,0 +1,59 @@
+"""The compat codemod on its own: a second run changes nothing, --no-compat takes every edit back, a used name without
+a stand-in is refused, and the mask stand-in equals transformers' own function bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import V3_DIR, assert_one_line_error, run_cli
+from moe_rewrite import RewriteOptions, rewrite_source
+
+SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()
+
+
+def test_second_run_changes_nothing_and_no_compat_takes_it_back():
+    once = rewrite_source(SOURCE).text
+    assert "_moe_rewrite_cache_usable_length(past_key_value, q_len, self.layer_idx)" in once
+    assert "class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):" in once
+    assert rewrite_source(once).changed is False
+    off = RewriteOptions(compat=False)
+    assert rewrite_source(once, off).text == rewrite_source(SOURCE, off).text
+    assert "GenerationMixin" not in rewrite_source(SOURCE, off).text
+    assert "get_usable_length(" in rewrite_source(once, off).text
+
+
+def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):
+    text = SOURCE.replace(
+        "from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask",
+        "from transformers.modeling_attn_mask_utils import AttentionMaskConverter, _prepare_4d_causal_attention_mask",
+    ).replace("logger = logging.get_logger(__name__)", "CONVERTER = AttentionMaskConverter(is_causal=True)\nlogger = logging.get_logger(__name__)")
+    path = tmp_path / "modeling_deepseek.py"
+    path.write_text(text)
+    assert_one_line_error(run_cli(path, "--check"), "AttentionMaskConverter", "--no-compat")
+    assert path.read_text() == text
+    assert run_cli(path, "--check", "--no-compat")[0] == 1  # would rewrite, coupling left as it is
+
+
+def test_mask_stand_in_equals_transformers_bit_for_bit():
+    torch = pytest.importorskip("torch")
+    reference = pytest.importorskip("transformers.modeling_attn_mask_utils")._prepare_4d_causal_attention_mask
+    from moe_rewrite.templates import load_template
+
+    namespace = {"torch": torch}
+    exec(compile(load_template("compat_causal_mask.py"), "compat_causal_mask.py", "exec"), namespace)
+    ours = namespace["_prepare_4d_causal_attention_mask"]
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for batch, query, past in [(1, 1, 0), (2, 1, 5), (2, 7, 0), (3, 4, 6)]:
+            embeds = torch.zeros(batch, query, 8, dtype=dtype)
+            masks = [None, (torch.rand(batch, query + past, generator=gen) > 0.3).long(), torch.ones(batch, query + past)]
+            masks.append((torch.rand(batch, 1, query, query + past, generator=gen) > 0.5).to(dtype))
+            for mask in masks:
+                expected = reference(mask, (batch, query), embeds, past)
+                got = ours(mask, (batch, query), embeds, past)
+                assert (expected is None) == (got is None)
+                if expected is not None:
+                    assert got.dtype == expected.dtype and torch.equal(got, expected), (dtype, batch, query, past)
+                checked += 1
+    assert checked == 48
