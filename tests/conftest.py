@@ -101,6 +101,9 @@ def _gloo_rank(rank: int, world: int, init_file: str, worker, args: tuple) -> No
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         worker(rank, *args)
+        # Every rank finishes its collectives before any tears down: a rank that destroys the group while its peer
+        # still talks to it aborts the peer's gloo thread (SIGABRT, "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
