@@ -57,3 +57,17 @@ def test_mask_stand_in_equals_transformers_bit_for_bit():
                     assert got.dtype == expected.dtype and torch.equal(got, expected), (dtype, batch, query, past)
                 checked += 1
     assert checked == 48
+
+
+def test_names_still_in_transformers_are_imported_again_beside_the_stand_ins():
+    text = SOURCE.replace(
+        "from transformers.utils.import_utils import is_torch_fx_available",
+        "from transformers.utils.import_utils import is_torch_fx_available, is_torch_available as torch_there",
+    )
+    out = rewrite_source(text).text
+    assert "    from transformers.utils.import_utils import is_torch_available as torch_there\n" in out
+    assert "    def is_torch_fx_available():" in out
+    namespace: dict = {}
+    guarded = out[out.index("try:\n    from transformers.utils.import_utils"):]
+    exec(guarded[: guarded.index("from transformers.generation")], namespace)  # the guarded import runs (its try branch, here)
+    assert namespace["is_torch_fx_available"]() is True and callable(namespace["torch_there"])

@@ -174,24 +174,32 @@ def _uses(module: cst.Module, name: str) -> int:
     return len(m.findall(module, m.Name(name)))
 
 
+def _gone_since(source: str, imported: str) -> str | None:
+    """The transformers release that removed `from source import imported`, or None if it is still there."""
+    return GONE_MODULES.get(source) or GONE_NAMES.get((source, imported))
+
+
 def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Module, changes: CompatChanges) -> cst.Try:
     source = _module_name(node)
     fallback: list[cst.BaseStatement] = []
     for imported, bound in _bound_names(node):
         template = FALLBACKS.get((source, imported))
+        since = _gone_since(source, imported)
         if template is not None:
             defs = render_statements(template, module)
             fallback += [d.with_changes(name=cst.Name(bound)) if isinstance(d, cst.FunctionDef) else d for d in defs]
             changes.imports.append(bound)
+        elif since is None:  # still there: imported on its own, beside the stand-ins
+            alias = f" as {bound}" if bound != imported else ""
+            fallback.append(cst.parse_statement(f"from {source} import {imported}{alias}\n", config=module.config_for_parsing))
         elif _uses(module, bound) > 1:  # more than the import itself
-            since = GONE_MODULES.get(source) or GONE_NAMES.get((source, imported), "later releases")
             raise RewriteError(
                 f"compat: `{imported}` from {source} is gone in transformers {since} and the file uses it; "
                 "moe-rewrite has no stand-in for it (rerun with --no-compat to keep the import as it is)"
             )
     if not fallback:  # nothing the file uses: keep the import importable by binding nothing else
         fallback = [cst.SimpleStatementLine(body=[cst.Pass()])]
-    since = GONE_MODULES.get(source) or next(GONE_NAMES[(source, i)] for i, _ in _bound_names(node) if (source, i) in GONE_NAMES)
+    since = next(filter(None, (_gone_since(source, imported) for imported, _ in _bound_names(node))))
     comment = f"{MARK} gone in transformers {since}; defined here as 4.x had it"
     handler = cst.ExceptHandler(
         type=cst.Name("ImportError"),
@@ -206,7 +214,7 @@ def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Modu
 
 def _removed(node: cst.ImportFrom) -> bool:
     source = _module_name(node)
-    return source in GONE_MODULES or any((source, imported) in GONE_NAMES for imported, _ in _bound_names(node))
+    return any(_gone_since(source, imported) for imported, _ in _bound_names(node))
 
 
 IMPORT_FROM_LINE = m.SimpleStatementLine(body=[m.ImportFrom()])
