@@ -19,7 +19,9 @@ BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
 CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
 FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
 COMPAT_CACHE_TEMPLATE = "compat_cache_helpers.py"
+COMPAT_ROPE_TEMPLATE = "compat_rope_scaling.py"
 FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
+PER_EXPERT_METHODS = "per_expert_methods.py"
 SAVE_PRETRAINED_METHOD = "save_pretrained_method.py"
 SAVE_CODE_TEMPLATE = "save_code_block.py"
 
@@ -81,12 +83,10 @@ def render_block(
 
 
 def render_model_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
-    """The PreTrainedModel subclass's save_pretrained, and (unless --no-fuse-experts) the from_pretrained /
-    _from_config that fuse the routed experts."""
+    """The PreTrainedModel subclass's save_pretrained, and the from_pretrained / _from_config / post_init that fuse
+    the routed experts (with --no-fuse-experts: the from_pretrained that refuses fused expert keys)."""
     methods = _methods(SAVE_PRETRAINED_METHOD, module)
-    if options.fuse_experts:
-        methods += _methods(FUSED_EXPERTS_METHODS, module)
-    return methods
+    return methods + _methods(FUSED_EXPERTS_METHODS if options.fuse_experts else PER_EXPERT_METHODS, module)
 
 
 def _methods(name: str, module: cst.Module) -> list[cst.FunctionDef]:

@@ -3,7 +3,8 @@
     python tests/compat_stages.py OUT.pt DIR [DIR ...]
 
 Stages, each in order and each only if the one before it passed: import (AutoConfig and the dynamic module), load
-(`from_pretrained(trust_remote_code=True)`, float32), eval (a forward with the config's defaults, `use_cache=True`),
+(`from_pretrained(trust_remote_code=True)`, float32; its buffers other than the router's correction bias, which
+the checkpoint holds, must equal those of a model built from the config), eval (a forward with the config's defaults, `use_cache=True`),
 generate (cached greedy `generate()`, which must equal a no-cache greedy decode), train (one training step with the
 config's defaults, `use_cache` included), save (save_pretrained into a new directory, which reloads with the same
 eval logits). A directory without `auto_map` in its config.json loads transformers' own
@@ -41,6 +42,15 @@ def _greedy_without_cache(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     return ids
 
 
+def _check_buffers(model, built) -> None:
+    """Buffers no checkpoint holds (the RoPE tables) must be what __init__ computes, as in a model built from the
+    config; transformers 5.x leaves them uninitialised when it loads remote code that does not restore them."""
+    fresh = dict(built.named_buffers())
+    for name, buffer in model.named_buffers():
+        if name in fresh and not torch.equal(buffer, fresh[name].to(buffer.dtype)) and "correction_bias" not in name:
+            raise AssertionError(f"buffer {name} after loading differs from a model built from the config")
+
+
 def run(directory: Path) -> dict:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -59,6 +69,7 @@ def run(directory: Path) -> dict:
             elif stage == "load":
                 model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, torch_dtype=torch.float32)
                 result["class"] = f"{type(model).__module__}.{type(model).__name__}"
+                _check_buffers(model, AutoModelForCausalLM.from_config(config, trust_remote_code=remote))
             elif stage == "eval":
                 model.eval()
                 with torch.no_grad():

@@ -15,11 +15,46 @@ def test_second_run_changes_nothing_and_no_compat_takes_it_back():
     once = rewrite_source(SOURCE).text
     assert "_moe_rewrite_cache_usable_length(past_key_value, q_len, self.layer_idx)" in once
     assert "class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):" in once
+    assert 'scaling_type = _moe_rewrite_rope_scaling(config)["type"]' in once
+    assert "_moe_rewrite_records_init(\n    DeepseekV3RotaryEmbedding,\n)" in once
     assert rewrite_source(once).changed is False
     off = RewriteOptions(compat=False)
     assert rewrite_source(once, off).text == rewrite_source(SOURCE, off).text
     assert "GenerationMixin" not in rewrite_source(SOURCE, off).text
     assert "get_usable_length(" in rewrite_source(once, off).text
+    assert "_moe_rewrite_rope_scaling" not in rewrite_source(once, off).text
+    assert "_moe_rewrite_records_init" not in rewrite_source(once, off).text
+
+
+@pytest.mark.parametrize("form", ["v3", "v2"])
+def test_rope_tables_come_back_after_meta_init(form, tmp_path):
+    """transformers 5.x (and FSDP2-style meta init) builds the model on the meta device and gives non-persistent buffers
+    uninitialised memory; `_init_weights` of the rewritten file recomputes them. Simulated here on any release: build on
+    meta, to_empty (memory filled with NaN, as garbage would be), _init_weights: the RoPE tables equal a fresh model's
+    and the logits too."""
+    torch = pytest.importorskip("torch")
+    from conftest import FORM_DIRS, build_model, model_module
+
+    out = tmp_path / "out"
+    assert run_cli(FORM_DIRS[form], "--out", out)[0] == 0
+    reference = build_model(out, seed=3).eval()
+    with torch.device("meta"):
+        model = build_model(out, seed=3)
+    model = model_module(model)._moe_rewrite_fuse_model(model.to_empty(device="cpu"))  # fused once materialised
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.fill_(float("nan"))
+        model.load_state_dict(reference.state_dict())
+    rope = [n for n, _ in model.named_buffers() if "rotary_emb" in n]
+    assert rope and all(torch.isnan(dict(model.named_buffers())[n]).all() for n in rope)
+    model.apply(model._init_weights)  # what 5.x runs on each module it did not load
+    model.load_state_dict(reference.state_dict())  # _init_weights redraws the weights; the buffers stay
+    fresh = dict(reference.named_buffers())
+    for name in rope:
+        assert torch.equal(dict(model.named_buffers())[name], fresh[name]), name
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):

@@ -8,6 +8,7 @@ below keeps the old behaviour where the old API still exists and answers with th
     ...
     kv_seq_len += past_key_value.get_usable_length(kv_seq_len, self.layer_idx)
     past_key_values = DynamicCache.from_legacy_cache(past_key_values)
+    scaling_type = self.config.rope_scaling["type"]
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel):
         _tied_weights_keys = ["lm_head.weight"]
     # After
@@ -20,11 +21,12 @@ below keeps the old behaviour where the old API still exists and answers with th
     ...
     kv_seq_len += _moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)
     past_key_values = _moe_rewrite_cache_from_legacy(DynamicCache, past_key_values)
+    scaling_type = _moe_rewrite_rope_scaling(self.config)["type"]
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
         _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for transformers 5.x
 
-The cache helpers are in templates/compat_cache_helpers.py, the import fallbacks in templates/compat_*.py. A name that
-is gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
+The cache helpers are in templates/compat_cache_helpers.py, the rope_scaling reader in templates/compat_rope_scaling.py,
+the import fallbacks in the other templates/compat_*.py. A name that is gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
 --no-compat gives the file's coupling back as published and a second run changes nothing.
 """
 
@@ -56,6 +58,7 @@ CACHE_METHODS = {
     "to_legacy_cache": "_moe_rewrite_cache_to_legacy",
 }
 SEEN_TOKENS_HELPER = "_moe_rewrite_cache_seen_tokens"
+ROPE_SCALING_HELPER = "_moe_rewrite_rope_scaling"  # `config.rope_scaling` -> `_moe_rewrite_rope_scaling(config)`
 HELPERS = {helper: method for method, helper in CACHE_METHODS.items()}
 
 MARK = "# moe-rewrite:"
@@ -77,6 +80,7 @@ TIED_OURS = m.SimpleStatementLine(
 class CompatChanges:
     imports: list[str] = field(default_factory=list)  # the guarded names
     cache_calls: int = 0
+    rope_scaling_reads: int = 0
     generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
     tied_keys: list[str] = field(default_factory=list)  # classes whose _tied_weights_keys became a dict
 
@@ -87,6 +91,8 @@ class CompatChanges:
             parts.append(f"{len(self.imports)} import{'s' if len(self.imports) != 1 else ''} guarded")
         if self.cache_calls:
             parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
+        if self.rope_scaling_reads:
+            parts.append(f"{self.rope_scaling_reads} rope_scaling read{'s' if self.rope_scaling_reads != 1 else ''}")
         if self.generation_mixin:
             parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
         if self.tied_keys:
@@ -130,8 +136,9 @@ class _Undo(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         name = updated_node.func.value if isinstance(updated_node.func, cst.Name) else None
-        if name == SEEN_TOKENS_HELPER:
-            return cst.Attribute(value=updated_node.args[0].value, attr=cst.Name("seen_tokens"))
+        if name in (SEEN_TOKENS_HELPER, ROPE_SCALING_HELPER):
+            attr = "seen_tokens" if name == SEEN_TOKENS_HELPER else "rope_scaling"
+            return cst.Attribute(value=updated_node.args[0].value, attr=cst.Name(attr))
         if name in HELPERS:
             receiver, *args = updated_node.args
             if args:
@@ -221,10 +228,12 @@ IMPORT_FROM_LINE = m.SimpleStatementLine(body=[m.ImportFrom()])
 
 
 class _CacheCalls(cst.CSTTransformer):
-    """Cache method calls (and `.seen_tokens`) -> the generated helpers, on any receiver but self / super()."""
+    """Cache method calls (and `.seen_tokens`) -> the generated helpers, on any receiver but self / super(); every
+    read of `X.rope_scaling` but `self.rope_scaling` -> the rope_scaling reader."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.rope_reads = 0
         self._targets: set[int] = set()
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
@@ -240,10 +249,14 @@ class _CacheCalls(cst.CSTTransformer):
         return cst.Call(func=cst.Name(CACHE_METHODS[func.attr.value]), args=args)
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
-        if updated_node.attr.value != "seen_tokens" or id(original_node) in self._targets:
+        attr = updated_node.attr.value
+        if attr not in ("seen_tokens", "rope_scaling") or id(original_node) in self._targets:
             return updated_node
         if m.matches(updated_node.value, SELF_OR_SUPER):
             return updated_node
+        if attr == "rope_scaling":
+            self.rope_reads += 1
+            return cst.Call(func=cst.Name(ROPE_SCALING_HELPER), args=[cst.Arg(updated_node.value)])
         self.count += 1
         return cst.Call(func=cst.Name(SEEN_TOKENS_HELPER), args=[cst.Arg(updated_node.value)])
 
@@ -345,4 +358,5 @@ def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChan
     if calls.count and own:
         raise RewriteError(f"compat: the file defines its own {', '.join(own)}; rerun with --no-compat")
     changes.cache_calls = calls.count
+    changes.rope_scaling_reads = calls.rope_reads
     return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes), changes

@@ -230,13 +230,15 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
     return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
 
 
+def is_generated_method(name: str) -> bool:
+    return name in GENERATED_METHODS or name.startswith("moe_rewrite_")
+
+
 def with_methods(moe: cst.ClassDef, forward: cst.FunctionDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
     """The class with `forward` replaced and the generated methods right after it (replacing earlier ones)."""
     body: list[cst.BaseStatement] = []
     for stmt in moe.body.body:
-        if isinstance(stmt, cst.FunctionDef) and (
-            stmt.name.value in GENERATED_METHODS or stmt.name.value.startswith("moe_rewrite_")
-        ):
+        if isinstance(stmt, cst.FunctionDef) and is_generated_method(stmt.name.value):
             continue
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
             body += [forward, *methods]
