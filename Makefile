@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 
 # transformers releases the compat tests run on, each in .venv-tf/RELEASE beside the main environment (whose
 # transformers, from the test extra, is the fourth). Each shares the main environment's torch through a .pth line.
-COMPAT_RELEASES ?= 4.46.3 4.57.6 5.24.0
+COMPAT_RELEASES ?= 4.46.3 4.57.6 5.12.1 5.24.0
 COMPAT_ENVS := $(foreach v,$(COMPAT_RELEASES),.venv-tf/$(v)/.installed)
 
 .PHONY: demo test venv compat-envs clean update-pairs

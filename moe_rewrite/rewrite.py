@@ -10,7 +10,12 @@ import libcst as cst
 from moe_rewrite.codemods import checkpointing, compat, fused_experts, gate, init_weights, moe_forward
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
-from moe_rewrite.templates import CHECKPOINTING_TEMPLATE, COMPAT_CACHE_TEMPLATE, COMPAT_ROPE_TEMPLATE
+from moe_rewrite.templates import (
+    CHECKPOINTING_TEMPLATE,
+    COMPAT_CACHE_TEMPLATE,
+    COMPAT_GENERATION_TEMPLATE,
+    COMPAT_ROPE_TEMPLATE,
+)
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
@@ -39,6 +44,7 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
         for name, called in [
             (COMPAT_CACHE_TEMPLATE, compat_changes.cache_calls),
             (COMPAT_ROPE_TEMPLATE, compat_changes.rope_scaling_reads),
+            (COMPAT_GENERATION_TEMPLATE, compat_changes.position_ids),
             (CHECKPOINTING_TEMPLATE, checkpointed),
             (init_weights.TEMPLATE, guarded),
         ]

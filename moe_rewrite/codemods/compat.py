@@ -9,6 +9,7 @@ below keeps the old behaviour where the old API still exists and answers with th
     kv_seq_len += past_key_value.get_usable_length(kv_seq_len, self.layer_idx)
     past_key_values = DynamicCache.from_legacy_cache(past_key_values)
     scaling_type = self.config.rope_scaling["type"]
+    position_ids = kwargs.get("position_ids", None)
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel):
         _tied_weights_keys = ["lm_head.weight"]
     # After
@@ -22,6 +23,7 @@ below keeps the old behaviour where the old API still exists and answers with th
     kv_seq_len += _moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)
     past_key_values = _moe_rewrite_cache_from_legacy(DynamicCache, past_key_values)
     scaling_type = _moe_rewrite_rope_scaling(self.config)["type"]
+    position_ids = _moe_rewrite_generation_position_ids(kwargs.get("position_ids", None), input_ids)
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
         _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for transformers 5.x
 
@@ -59,6 +61,11 @@ CACHE_METHODS = {
 }
 SEEN_TOKENS_HELPER = "_moe_rewrite_cache_seen_tokens"
 ROPE_SCALING_HELPER = "_moe_rewrite_rope_scaling"  # `config.rope_scaling` -> `_moe_rewrite_rope_scaling(config)`
+POSITION_IDS_HELPER = "_moe_rewrite_generation_position_ids"
+POSITION_IDS_GET = m.Call(
+    func=m.Attribute(value=m.Name("kwargs"), attr=m.Name("get")),
+    args=[m.Arg(m.SimpleString('"position_ids"') | m.SimpleString("'position_ids'")), m.ZeroOrOne(m.Arg(m.Name("None")))],
+)
 HELPERS = {helper: method for method, helper in CACHE_METHODS.items()}
 
 MARK = "# moe-rewrite:"
@@ -81,6 +88,7 @@ class CompatChanges:
     imports: list[str] = field(default_factory=list)  # the guarded names
     cache_calls: int = 0
     rope_scaling_reads: int = 0
+    position_ids: list[str] = field(default_factory=list)  # classes whose generation position ids are sliced
     generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
     tied_keys: list[str] = field(default_factory=list)  # classes whose _tied_weights_keys became a dict
 
@@ -93,6 +101,8 @@ class CompatChanges:
             parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
         if self.rope_scaling_reads:
             parts.append(f"{self.rope_scaling_reads} rope_scaling read{'s' if self.rope_scaling_reads != 1 else ''}")
+        if self.position_ids:
+            parts.append(f"generation position_ids sliced in {', '.join(self.position_ids)}")
         if self.generation_mixin:
             parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
         if self.tied_keys:
@@ -136,6 +146,8 @@ class _Undo(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         name = updated_node.func.value if isinstance(updated_node.func, cst.Name) else None
+        if name == POSITION_IDS_HELPER:
+            return updated_node.args[0].value
         if name in (SEEN_TOKENS_HELPER, ROPE_SCALING_HELPER):
             attr = "seen_tokens" if name == SEEN_TOKENS_HELPER else "rope_scaling"
             return cst.Attribute(value=updated_node.args[0].value, attr=cst.Name(attr))
@@ -335,6 +347,35 @@ def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module
     return module
 
 
+def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -> cst.Module:
+    """In prepare_inputs_for_generation, `kwargs.get("position_ids", None)` -> the helper that cuts generate()'s
+    position ids to the uncached tokens; only where the get comes after every statement that assigns input_ids (the
+    file's own slicing), so the helper sees the tokens the model is given."""
+    for cls in [s for s in module.body if isinstance(s, cst.ClassDef)]:
+        for fn in cls.body.body:
+            if not m.matches(fn, m.FunctionDef(name=m.Name("prepare_inputs_for_generation"))):
+                continue
+            body = list(cst.ensure_type(fn, cst.FunctionDef).body.body)
+            gets = [i for i, s in enumerate(body) if m.findall(s, POSITION_IDS_GET)]
+            slicing = [i for i, s in enumerate(body) if m.findall(s, m.AssignTarget(target=m.Name("input_ids")))]
+            if len(gets) != 1 or (slicing and max(slicing) > gets[0]):
+                continue
+            stmt = body[gets[0]]
+            new = cst.ensure_type(
+                m.replace(
+                    stmt,
+                    POSITION_IDS_GET,
+                    lambda node, _: cst.Call(
+                        func=cst.Name(POSITION_IDS_HELPER), args=[cst.Arg(node, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), cst.Arg(cst.Name("input_ids"))]  # type: ignore[arg-type]
+                    ),
+                ),
+                cst.BaseStatement,
+            )
+            module = cst.ensure_type(module.deep_replace(stmt, new), cst.Module)
+            changes.position_ids.append(cls.name.value)
+    return module
+
+
 def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChanges]:
     """The module with its compat edits (re)made, or taken back when not enabled, and what they were."""
     module = undo(module)
@@ -359,4 +400,5 @@ def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChan
         raise RewriteError(f"compat: the file defines its own {', '.join(own)}; rerun with --no-compat")
     changes.cache_calls = calls.count
     changes.rope_scaling_reads = calls.rope_reads
+    rewritten = _slice_generation_position_ids(rewritten, changes)
     return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes), changes
