@@ -1,5 +1,9 @@
 """Let the router run in training mode: drop `assert not self.training` from the gate's forward (V3 form).
 
+Also its other spellings (`assert self.training is False`, `== False`, `if self.training: raise ...`), here and in the
+MoE forward; an assert or raise on `self.training` in another form is refused, so no rewritten file fails its first
+training step.
+
     # Before
     if self.topk_method == "noaux_tc":
         assert not self.training
@@ -19,26 +23,34 @@ import libcst.matchers as m
 
 from moe_rewrite.errors import RewriteError
 
-DESCRIPTION = "Removes the router's `assert not self.training`."
+DESCRIPTION = "Removes the router's `assert not self.training` (and its other spellings)."
 
-ASSERT_NOT_TRAINING = m.SimpleStatementLine(
+SELF_TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
+FALSE = m.Name("False")
+TRUE = m.Name("True")
+# `assert not self.training`, `assert self.training is False`, `assert self.training == False` (any message), and
+# `if self.training: raise ...` (also `is True` / `== True`), with nothing else in the branch.
+TRAINING_GUARD = m.SimpleStatementLine(
     body=[
         m.Assert(
-            test=m.UnaryOperation(
-                operator=m.Not(), expression=m.Attribute(value=m.Name("self"), attr=m.Name("training"))
-            )
+            test=m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
+            | m.Comparison(left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=FALSE)])
         )
     ]
+) | m.If(
+    test=SELF_TRAINING | m.Comparison(left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=TRUE)]),
+    body=m.IndentedBlock(body=[m.SimpleStatementLine(body=[m.Raise()])]) | m.SimpleStatementSuite(body=[m.Raise()]),
+    orelse=None,
 )
 
 
-class _DropTrainingAsserts(cst.CSTTransformer):
+class _DropTrainingGuards(cst.CSTTransformer):
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
         body: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for stmt in updated_node.body:
-            if m.matches(stmt, ASSERT_NOT_TRAINING):
-                carried += stmt.leading_lines  # keep comments written above the assert
+            if m.matches(stmt, TRAINING_GUARD):
+                carried += stmt.leading_lines  # keep comments written above the guard
                 continue
             if carried:
                 stmt = stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines])
@@ -47,6 +59,31 @@ class _DropTrainingAsserts(cst.CSTTransformer):
         if not body:
             body = [cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried)]
         return updated_node.with_changes(body=body)
+
+
+def drop_training_guards(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
+    """`fn` without its training guards (TRAINING_GUARD); refuses a guard-like statement it does not recognise: an
+    assert on self.training, or a raise under a test of it."""
+    fn = cst.ensure_type(fn.visit(_DropTrainingGuards()), cst.FunctionDef)
+    for node in m.findall(fn, m.Assert() | m.If()):
+        test = cst.ensure_type(node, (cst.Assert, cst.If)).test  # type: ignore[arg-type]
+        raises = isinstance(node, cst.Assert) or any(m.matches(s, m.SimpleStatementLine(body=[m.Raise()])) for s in _top(node))
+        if raises and m.findall(test, SELF_TRAINING):
+            code = cst.Module(body=[]).code_for_node(test)
+            raise RewriteError(
+                f"{where}: cannot tell whether the check on `{code}` lets training run; moe-rewrite removes "
+                "`assert not self.training` and `if self.training: raise ...`"
+            )
+    return fn
+
+
+def _top(node: cst.CSTNode) -> list[cst.CSTNode]:
+    body = getattr(node, "body", None)
+    if isinstance(body, cst.IndentedBlock):
+        return list(body.body)
+    if isinstance(body, cst.SimpleStatementSuite):
+        return [cst.SimpleStatementLine(body=list(body.body))]
+    return []
 
 
 def transform(module: cst.Module, gate_class: str | None) -> cst.Module:
@@ -60,4 +97,4 @@ def transform(module: cst.Module, gate_class: str | None) -> cst.Module:
     if len(forwards) != 1:
         raise RewriteError(f"{gate_class} has no forward()")
     forward = forwards[0]
-    return cst.ensure_type(module.deep_replace(forward, forward.visit(_DropTrainingAsserts())), cst.Module)
+    return cst.ensure_type(module.deep_replace(forward, drop_training_guards(forward, f"{gate_class}.forward")), cst.Module)

@@ -34,11 +34,13 @@ options rewrites them and a run with the same options changes nothing). Eval mod
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite.codemods.gate import drop_training_guards
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.templates import render_block, render_moe_methods
@@ -110,9 +112,16 @@ def _training_if(forward: cst.FunctionDef, where: str) -> cst.If:
     return ifs[0]
 
 
+def _block(suite: cst.BaseSuite) -> cst.IndentedBlock:
+    """A branch's body as an indented block (`if c: a; b` means the same as the block `a`, `b`)."""
+    if isinstance(suite, cst.IndentedBlock):
+        return suite
+    small = cst.ensure_type(suite, cst.SimpleStatementSuite).body
+    return cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)]) for s in small])
+
+
 def _single_moe_infer_assign(block: cst.BaseSuite, where: str) -> cst.SimpleStatementLine:
-    body = block.body if isinstance(block, cst.IndentedBlock) else [block]
-    stmts = [s for s in body if m.findall(s, MOE_INFER_CALL)]
+    stmts = [s for s in _block(block).body if m.findall(s, MOE_INFER_CALL)]
     if len(stmts) != 1 or not m.matches(stmts[0], m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget()])])):
         raise RewriteError(f"{where}: the eval branch does not assign the result of self.moe_infer(...)")
     return cst.ensure_type(stmts[0], cst.SimpleStatementLine)
@@ -137,50 +146,182 @@ class _ReplaceMoeInfer(cst.CSTTransformer):
         return cst.Call(func=cst.Attribute(value=train, attr=cst.Name("type")), args=[cst.Arg(dtype)])
 
 
-def _v3_training_else(infer_stmt: cst.SimpleStatementLine, options: RewriteOptions) -> cst.Else:
-    """The training branch: moe_train where eval calls moe_infer, then the opt-in router-training statements."""
-    train_stmt = cst.ensure_type(infer_stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine)
-    body: list[cst.BaseStatement] = [train_stmt.with_changes(leading_lines=[])]
+NO_GRAD = m.Attribute(attr=m.Name("no_grad") | m.Name("inference_mode")) | m.Name("no_grad") | m.Name("inference_mode")
+
+
+def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: str) -> cst.Else:
+    """The training branch: the eval branch's statements, in order, with moe_train where eval calls moe_infer (so any
+    post-processing of its result is the same in training), then the opt-in router-training statements."""
+    infer_stmt = _single_moe_infer_assign(eval_body, where)
+    eval_stmts = _block(eval_body).body
+    for stmt in eval_stmts:
+        if m.findall(stmt, SELF_TRAINING) or m.findall(stmt, NO_GRAD):
+            raise RewriteError(
+                f"{where}: `{_code(stmt)}` in the eval branch depends on training mode or gradients; moe-rewrite "
+                "cannot mirror it in training"
+            )
+    extra: list[cst.BaseStatement] = []
     tokens, topk_ids = (a.value for a in _moe_infer_args(infer_stmt)[:2])
     if options.bias_update is not None:
         count = cst.Call(
             func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_rewrite_count_load")), args=[cst.Arg(topk_ids)]
         )
-        body.append(cst.SimpleStatementLine(body=[cst.Expr(count)]))
+        extra.append(cst.SimpleStatementLine(body=[cst.Expr(count)]))
     if options.aux_loss:
         target = cst.ensure_type(infer_stmt.body[0], cst.Assign).targets[0]
         attach = cst.Call(
             func=cst.Name("_moe_rewrite_with_balance_loss"),
             args=[cst.Arg(cst.Name("self")), cst.Arg(target.target), cst.Arg(tokens), cst.Arg(topk_ids)],
         )
-        body.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=attach)]))
+        extra.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=attach)]))
+    body: list[cst.BaseStatement] = []
+    for stmt in eval_stmts:
+        if m.matches(stmt, m.SimpleStatementLine()) and m.findall(stmt, MOE_INFER_CALL):
+            body += [cst.ensure_type(stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine).with_changes(leading_lines=[]), *extra]
+        else:
+            body.append(stmt.with_changes(leading_lines=[]))
     return cst.Else(body=cst.IndentedBlock(body=body))
 
 
-def _rewrite_v2_training_body(body: cst.IndentedBlock, infer_args: list[cst.Arg], where: str) -> cst.IndentedBlock:
+def _same_code(node: cst.CSTNode, expected: str) -> bool:
+    """Whether a statement is `expected` up to formatting, comments and redundant parentheses (Python AST equality)."""
+    try:
+        return ast.dump(ast.parse(cst.Module(body=[node]).code)) == ast.dump(ast.parse(expected))  # type: ignore[list-item]
+    except SyntaxError:
+        return False
+
+
+def _code(node: cst.CSTNode) -> str:
+    text = cst.Module(body=[]).code_for_node(node).strip()
+    return " ".join(text.split("\n")[0].split()) + (" ..." if "\n" in text else "")
+
+
+def _names_in(node: cst.CSTNode) -> set[str]:
+    return {cst.ensure_type(n, cst.Name).value for n in m.findall(node, m.Name())}
+
+
+def _bound(target: cst.BaseExpression) -> set[str]:
+    """Names an assignment target binds (`a`, `a, (b, *c)`); `a[i] = ...` and `a.b = ...` bind none."""
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(*(_bound(e.value) for e in target.elements))
+    if isinstance(target, cst.StarredElement):
+        return _bound(target.value)
+    return set()
+
+
+def _assigned_in(node: cst.CSTNode) -> set[str]:
+    targets = [cst.ensure_type(t, cst.AssignTarget).target for t in m.findall(node, m.AssignTarget())]
+    targets += [t.target for t in m.findall(node, m.AugAssign() | m.AnnAssign() | m.For() | m.NamedExpr())]  # type: ignore[attr-defined]
+    targets += [a.name for a in m.findall(node, m.AsName())]  # type: ignore[attr-defined]
+    return set().union(*(_bound(t) for t in targets)) if targets else set()
+
+
+def _reads(node: cst.CSTNode, name: str) -> bool:
+    """Whether `node` reads `name` (any use but as the plain target of an assignment)."""
+    stores = [t for t in m.findall(node, m.AssignTarget(target=m.Name(name)))]
+    return len(m.findall(node, m.Name(name))) > len(stores)
+
+
+def _uses_beyond_dtype(node: cst.CSTNode, name: str) -> bool:
+    """Whether `node` reads `name` other than as `name.dtype` / `name.device` (the same for the tokens before and
+    after repeat_interleave)."""
+    total = len(m.findall(node, m.Name(name)))
+    meta = len(m.findall(node, m.Attribute(value=m.Name(name), attr=m.Name("dtype") | m.Name("device"))))
+    return total > meta
+
+
+def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
+    """(y, idx, x) of `for i, expert in enumerate(self.experts): y[idx == i] = expert(x[idx == i])`, else None."""
+    try:
+        i, expert = (cst.ensure_type(e.value, cst.Name).value for e in cst.ensure_type(loop.target, cst.Tuple).elements)
+        assign = cst.ensure_type(cst.ensure_type(loop.body.body[0], cst.SimpleStatementLine).body[0], cst.Assign)
+        store = cst.ensure_type(assign.targets[0].target, cst.Subscript)
+        y = cst.ensure_type(store.value, cst.Name).value
+        mask = cst.ensure_type(cst.ensure_type(store.slice[0].slice, cst.Index).value, cst.Comparison)
+        idx = cst.ensure_type(mask.left, cst.Name).value
+        x = cst.ensure_type(cst.ensure_type(cst.ensure_type(assign.value, cst.Call).args[0].value, cst.Subscript).value, cst.Name).value
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return None
+    expected = f"for {i}, {expert} in enumerate(self.experts):\n    {y}[{idx} == {i}] = {expert}({x}[{idx} == {i}])"
+    return (y, idx, x) if _same_code(loop, expected) else None
+
+
+def _rewrite_v2_training_body(
+    body: cst.IndentedBlock, infer_args: list[cst.Arg], forward: cst.FunctionDef, branch: cst.If, where: str
+) -> cst.IndentedBlock:
+    """Replace exactly the per-expert computation: the tokens' repeat_interleave, the output buffer, the loop and the
+    weighted sum, as published. Every other statement stays, in order, before the moe_train call (if it cannot see
+    what the replaced ones computed) or after it; anything that could tell the difference is refused by name."""
     stmts = list(body.body)
     if any(m.findall(s, MOE_TRAIN_CALL) for s in stmts):
         return body  # already rewritten
+    tokens, ids, weights = (_name_of(a.value) for a in infer_args)
     loops = [i for i, s in enumerate(stmts) if m.matches(s, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)]) | SELF_EXPERTS))]
     if len(loops) != 1:
         raise RewriteError(f"{where}: the training branch has no `for ... in enumerate(self.experts)` loop")
     loop = loops[0]
-    weight_name = infer_args[2].value
-    weighted = next(
-        (
-            i
-            for i in range(loop + 1, len(stmts))
+    found = _experts_loop_names(cst.ensure_type(stmts[loop], cst.For))
+    if found is None:
+        raise RewriteError(
+            f"{where}: the experts loop `{_code(stmts[loop])}` is not `for i, expert in enumerate(self.experts): "
+            "y[idx == i] = expert(x[idx == i])`"
+        )
+    y, flat, x = found
+    if x != tokens:
+        raise RewriteError(f"{where}: the experts loop reads `{x}`, but moe_infer gets `{tokens}`")
+    repeat = f"{tokens} = {tokens}.repeat_interleave(self.num_experts_per_tok, dim=0)"
+    known = {
+        "repeat": [i for i in range(loop) if _same_code(stmts[i], repeat)],
+        "buffer": [
+            i for i in range(loop)
+            if _same_code(stmts[i], f"{y} = torch.empty_like({tokens})") or _same_code(stmts[i], f"{y} = torch.zeros_like({tokens})")
+        ],
+        "sum": [
+            i for i in range(loop + 1, len(stmts))
             if m.matches(stmts[i], m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])]))
-            and m.findall(stmts[i], m.Name(_name_of(weight_name)))
-        ),
-        None,
-    )
-    if weighted is None:
-        raise RewriteError(f"{where}: no weighted sum over the top-k outputs after the experts loop")
-    for i in range(loop):
-        if not m.matches(stmts[i], m.SimpleStatementLine(body=[m.Assign()])):
-            raise RewriteError(f"{where}: unexpected statement before the experts loop in the training branch")
-    target = cst.ensure_type(cst.ensure_type(stmts[weighted], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
+            and _same_code(
+                stmts[i],
+                f"{_assign_target(stmts[i])} = ({y}.view(*{weights}.shape, -1) * {weights}.unsqueeze(-1)).sum(dim=1)",
+            )
+        ],
+    }
+    for what, expected in (
+        ("repeat", repeat),
+        ("buffer", f"{y} = torch.empty_like({tokens})"),
+        ("sum", f"y = ({y}.view(*{weights}.shape, -1) * {weights}.unsqueeze(-1)).sum(dim=1)"),
+    ):
+        if len(known[what]) != 1:
+            where_ = "before" if what != "sum" else "after"
+            raise RewriteError(f"{where}: expected one `{expected}` {where_} the experts loop, found {len(known[what])}")
+    r, b, total = known["repeat"][0], known["buffer"][0], known["sum"][0]
+    if not r < b:
+        raise RewriteError(f"{where}: `{repeat}` should come before `{_code(stmts[b])}`")
+    _check_flat_ids(forward, branch, flat, ids, where)
+    out = _assign_target(stmts[total])
+    kept_before, kept_after = [], []
+    buffer_live = out != y  # after the sum, `y` still names the loop's buffer until something assigns it
+    for i, stmt in enumerate(stmts):
+        if i in (r, b, loop, total):
+            continue
+        if i < total:
+            seen = _names_in(stmt)
+            if seen & {y, flat} or (i > r and tokens in seen) or ids in _assigned_in(stmt):
+                raise RewriteError(
+                    f"{where}: `{_code(stmt)}` sits between the replaced per-expert statements and uses what they "
+                    "compute; moe-rewrite cannot keep it exactly"
+                )
+            kept_before.append(stmt)
+        else:
+            if _uses_beyond_dtype(stmt, tokens) or (buffer_live and _reads(stmt, y)):
+                raise RewriteError(f"{where}: `{_code(stmt)}` reads the per-expert copies of the tokens; moe-rewrite cannot keep it exactly")
+            buffer_live = buffer_live and y not in _assigned_in(stmt)
+            kept_after.append(stmt)
+    for stmt in _statements_after(forward, branch):
+        if _uses_beyond_dtype(stmt, tokens):
+            raise RewriteError(f"{where}: `{_code(stmt)}` reads `{tokens}`, which training repeats per expert; moe-rewrite cannot keep it exactly")
+    target = cst.ensure_type(cst.ensure_type(stmts[total], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
     call = cst.Call(
         func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_train")),
         args=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in infer_args],
@@ -188,7 +329,31 @@ def _rewrite_v2_training_body(body: cst.IndentedBlock, infer_args: list[cst.Arg]
     # The comments above the replaced statements described the loop; say what replaced it instead.
     note = cst.EmptyLine(comment=cst.Comment("# moe-rewrite: the experts as grouped GEMMs instead of a loop over experts"))
     new = cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=call)], leading_lines=[note])
-    return body.with_changes(body=[new, *stmts[weighted + 1 :]])
+    return body.with_changes(body=[*kept_before, new, *kept_after])
+
+
+def _assign_target(stmt: cst.BaseStatement) -> str:
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    return cst.ensure_type(cst.ensure_type(line.body[0], cst.Assign).targets[0].target, cst.Name).value
+
+
+def _statements_after(forward: cst.FunctionDef, branch: cst.If) -> list[cst.BaseStatement]:
+    body = list(forward.body.body)
+    return body[body.index(branch) + 1 :]
+
+
+def _check_flat_ids(forward: cst.FunctionDef, branch: cst.If, flat: str, ids: str, where: str) -> None:
+    """The loop's expert ids must be `flat = topk_idx.view(-1)`, assigned once before the branch, with topk_idx itself
+    assigned only by the gate: moe_train gets topk_idx."""
+    body = list(forward.body.body)
+    before = body[: body.index(branch)]
+    defs = [s for s in body if flat in _assigned_in(s)]
+    if len(defs) != 1 or defs[0] not in before or not (
+        _same_code(defs[0], f"{flat} = {ids}.view(-1)") or _same_code(defs[0], f"{flat} = {ids}.reshape(-1)")
+    ):
+        raise RewriteError(f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = {ids}.view(-1)`")
+    if [s for s in body if ids in _assigned_in(s) and not m.findall(s, SELF_GATE_CALL)]:
+        raise RewriteError(f"{where}: `{ids}` is assigned again after the gate; moe-rewrite cannot keep it exactly")
 
 
 def _name_of(expr: cst.BaseExpression) -> str:
@@ -200,15 +365,14 @@ def _name_of(expr: cst.BaseExpression) -> str:
 def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.FunctionDef, str]:
     """The MoE forward with its training branch calling moe_train, and the form ("v3" or "v2")."""
     name = moe.name.value
-    forward = _methods(moe)["forward"]
     where = f"{name}.forward"
+    forward = drop_training_guards(_methods(moe)["forward"], where)
     arity = _gate_arity(forward, where)
     branch = _training_if(forward, where)
     if arity == 2 and m.matches(branch.test, NOT_SELF_TRAINING):
-        infer_stmt = _single_moe_infer_assign(branch.body, where)
         if branch.orelse is not None and not m.findall(branch.orelse, MOE_TRAIN_CALL):
             raise RewriteError(f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write")
-        new_branch = branch.with_changes(orelse=_v3_training_else(infer_stmt, options))
+        new_branch = branch.with_changes(orelse=_v3_training_else(branch.body, options, where))
         form = "v3"
     elif arity == 3 and m.matches(branch.test, SELF_TRAINING):
         if options.aux_loss or options.bias_update is not None:
@@ -219,7 +383,7 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             raise RewriteError(f"{where}: `if self.training:` has no else branch calling self.moe_infer(...)")
         infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where))
         new_branch = branch.with_changes(
-            body=_rewrite_v2_training_body(cst.ensure_type(branch.body, cst.IndentedBlock), infer_args, where)
+            body=_rewrite_v2_training_body(_block(branch.body), infer_args, forward, branch, where)
         )
         form = "v2"
     else:

@@ -1,0 +1,169 @@
+"""Variants of the stand-in fixtures for the exact-or-refused test (tests/test_mutations.py): each one edits the MoE
+forward or the router the way people hand-edit these files (statements inserted before, after and inside the regions
+moe-rewrite replaces, statements split, casts moved, guards respelled, names changed, one-line branches) and says
+what moe-rewrite must do with it: "exact" (rewrite it, and training gives the variant's own numbers) or "refused"
+(exit 2, one line, nothing written).
+
+    python tests/mutations.py OUT_DIR    # writes OUT_DIR/<form>_<name>/modeling_deepseek.py, to look at them
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+# The V2-form training branch of the stand-in, and the V3 eval branch and router guard, as anchors for the edits.
+V2_REPEAT = "            # one copy of each token per chosen expert\n"
+V2_BUFFER = "            y = torch.empty_like(hidden_states)\n"
+V2_LOOP = (
+    "            for i, expert in enumerate(self.experts):\n"
+    "                y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])\n"
+)
+V2_SUM = "            y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)\n"
+V2_FLAT = "        flat_topk_idx = topk_idx.view(-1)\n"
+V2_AFTER_IF = "        if self.config.n_shared_experts is not None:\n"
+V3_INFER = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n"
+V3_BRANCH = "        if not self.training:\n" + V3_INFER
+V3_GUARD = "            assert not self.training\n"
+V3_MOE_START = "        residual = hidden_states\n        orig_shape = hidden_states.shape\n        topk_idx, topk_weight = self.gate"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    form: str  # "v2" or "v3"
+    name: str
+    expect: str  # "exact" or "refused"
+    edits: tuple[tuple[str, str], ...]  # (old, new) text replacements, each old found exactly once
+    why: str = ""  # for "refused": what the one-line error must say
+
+    def apply(self, text: str) -> str:
+        for old, new in self.edits:
+            if text.count(old) != 1:
+                raise AssertionError(f"{self.form}_{self.name}: anchor found {text.count(old)} times: {old!r}")
+            text = text.replace(old, new)
+        return text
+
+
+def _before(anchor: str, line: str) -> tuple[str, str]:
+    return anchor, line + anchor
+
+
+def _after(anchor: str, line: str) -> tuple[str, str]:
+    return anchor, anchor + line
+
+
+MUTATIONS = [
+    # V2 form: around and inside the per-expert statements
+    Mutation("v2", "weights_scaled_before_repeat", "exact", (_before(V2_REPEAT, "            topk_weight = topk_weight * 0.5\n"),)),
+    Mutation("v2", "weights_scaled_before_loop", "exact", (_after(V2_BUFFER, "            topk_weight = topk_weight * 0.5\n"),)),
+    Mutation("v2", "weights_scaled_before_sum", "exact", (_after(V2_LOOP, "            topk_weight = topk_weight * 0.5\n"),)),
+    Mutation("v2", "tokens_scaled_before_repeat", "exact", (_before(V2_REPEAT, "            hidden_states = hidden_states * 1.5\n"),)),
+    Mutation("v2", "check_kept_before_loop", "exact", (_before(V2_LOOP, "            assert topk_weight.dim() == 2\n"),)),
+    Mutation("v2", "output_scaled_after_sum", "exact", (_after(V2_SUM, "            y = y * 2.0\n"),)),
+    Mutation("v2", "zero_buffer", "exact", ((V2_BUFFER, "            y = torch.zeros_like(hidden_states)\n"),)),
+    Mutation(
+        "v2", "sum_into_another_name", "exact",
+        ((V2_SUM, V2_SUM.replace("            y = (", "            out = (")), ("            y = y.to(hidden_states", "            y = out.to(hidden_states")),
+    ),
+    Mutation(
+        "v2", "names_changed", "exact",
+        (
+            (V2_FLAT, "        flat_ids = topk_idx.view(-1)\n"),
+            (V2_LOOP, "            for e, mlp in enumerate(self.experts):\n                y[flat_ids == e] = mlp(hidden_states[flat_ids == e])\n"),
+        ),
+    ),
+    Mutation(
+        "v2", "reformatted_loop", "exact",
+        ((V2_LOOP, "            for (i, expert) in enumerate(self.experts):\n                y[(flat_topk_idx == i)] = expert(\n"
+                   "                    hidden_states[flat_topk_idx == i]  # routed to i\n                )\n"),),
+    ),
+    Mutation(
+        "v2", "output_scaled_before_sum", "refused",
+        (_after(V2_LOOP, "            y = y * 2.0\n"),),
+        why='`y = y * 2.0` sits between the replaced per-expert statements',
+    ),
+    Mutation(
+        "v2", "cast_before_sum", "refused",
+        (_after(V2_LOOP, "            y = y.float()\n"),),
+        why='`y = y.float()` sits between',
+    ),
+    Mutation(
+        "v2", "sum_split", "refused",
+        ((V2_SUM, "            y = y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)\n            y = y.sum(dim=1)\n"),),
+        why='expected one `y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)`',
+    ),
+    Mutation(
+        "v2", "loop_body_scaled", "refused",
+        (("= expert(hidden_states[flat_topk_idx == i])\n", "= expert(hidden_states[flat_topk_idx == i]) * 2.0\n"),),
+        why='is not `for i, expert in enumerate(self.experts)',
+    ),
+    Mutation(
+        "v2", "tokens_scaled_after_repeat", "refused",
+        (_before(V2_BUFFER, "            hidden_states = hidden_states * 1.5\n"),),
+        why='`hidden_states = hidden_states * 1.5` sits between',
+    ),
+    Mutation(
+        "v2", "ids_changed_in_branch", "refused",
+        (_before(V2_LOOP, "            topk_idx = topk_idx.flip(-1)\n"),),
+        why='`topk_idx` is assigned again',
+    ),
+    Mutation(
+        "v2", "flat_ids_other_order", "refused",
+        ((V2_FLAT, "        flat_topk_idx = topk_idx.flip(-1).view(-1)\n"),),
+        why='should be assigned once, as `flat_topk_idx = topk_idx.view(-1)`',
+    ),
+    Mutation(
+        "v2", "repeated_tokens_read_after", "refused",
+        (_before(V2_AFTER_IF, "        self.rows_seen = hidden_states.shape[0]\n"),),
+        why='`self.rows_seen = hidden_states.shape[0]` reads `hidden_states`',
+    ),
+    # V3 form: the eval branch and the training guards
+    Mutation("v3", "output_scaled_in_eval", "exact", (_after(V3_INFER, "            y = y * 2.0\n"),)),
+    Mutation("v3", "weights_scaled_in_eval", "exact", (_before(V3_INFER, "            topk_weight = topk_weight * 0.5\n"),)),
+    Mutation("v3", "renamed_result", "exact", ((V3_INFER, V3_INFER.replace("            y =", "            out =") + "            y = out\n"),)),
+    Mutation("v3", "one_line_branch", "exact", ((V3_BRANCH, "        if not self.training: " + V3_INFER.lstrip()),)),
+    Mutation("v3", "guard_is_false", "exact", ((V3_GUARD, "            assert self.training is False\n"),)),
+    Mutation("v3", "guard_equals_false", "exact", ((V3_GUARD, "            assert self.training == False  # noqa: E712\n"),)),
+    Mutation("v3", "guard_with_message", "exact", ((V3_GUARD, '            assert not self.training, "eval only"\n'),)),
+    Mutation(
+        "v3", "guard_as_raise", "exact",
+        ((V3_GUARD, '            if self.training:\n                raise NotImplementedError("eval only")\n'),),
+    ),
+    Mutation("v3", "guard_in_moe_forward", "exact", ((V3_MOE_START, "        assert not self.training\n" + V3_MOE_START),)),
+    Mutation(
+        "v3", "guard_unknown_spelling", "refused",
+        ((V3_GUARD, "            assert self.training != True  # noqa: E712\n"),),
+        why='the check on `self.training != True`',
+    ),
+    Mutation(
+        "v3", "eval_branch_reads_training", "refused",
+        (_after(V3_INFER, "            y = y * (2.0 if self.training else 1.0)\n"),),
+        why='depends on training mode',
+    ),
+    Mutation(
+        "v3", "eval_under_no_grad", "refused",
+        ((V3_INFER, "            with torch.no_grad():\n    " + V3_INFER),),
+        why='does not assign the result of self.moe_infer',
+    ),
+]
+
+
+def variant_text(mutation: Mutation) -> str:
+    return mutation.apply((FIXTURES / f"deepseek_{mutation.form}" / "modeling_deepseek.py").read_text())
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    for mutation in MUTATIONS:
+        target = out / f"{mutation.form}_{mutation.name}"
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "modeling_deepseek.py").write_text(variant_text(mutation))
+    print(f"{len(MUTATIONS)} variants in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,84 @@
+"""Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py): each variant is either refused
+(exit 2, one line, nothing written) or rewritten, and then one training step gives the variant's own numbers, loss and
+every gradient: V2 form, its own per-expert loop; V3 form, its own eval branch run with gradients (its MoE layers in
+eval mode, moe_infer without its no_grad)."""
+
+from __future__ import annotations
+
+import shutil
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import FORM_DIRS, assert_one_line_error, build_model, run_cli  # noqa: E402
+from mutations import MUTATIONS, variant_text  # noqa: E402
+
+ATOL = 1e-5  # fp32, the same sums in another order
+
+
+def _per_expert(grads: dict) -> dict:
+    """Gradients of fused experts under the per-expert parameter names."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
+            for i in range(grad.shape[0]):
+                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = grad[i, :half], grad[i, half:]
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
+        else:
+            out[name] = grad
+    return out
+
+
+def _train_step(model, ids) -> tuple[float, dict]:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), _per_expert({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _eval_branch_with_grads(model) -> None:
+    """The V3 reference: each MoE layer takes its eval branch, with moe_infer recording gradients."""
+    for module in model.modules():
+        if hasattr(module, "moe_infer"):
+            module.eval()
+            module.moe_infer = types.MethodType(type(module).moe_infer.__wrapped__, module)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
+def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
+    variant = tmp_path / f"variant_{mutation.form}_{mutation.name}"  # one module cache entry per variant
+    shutil.copytree(FORM_DIRS[mutation.form], variant)
+    text = variant_text(mutation)
+    (variant / "modeling_deepseek.py").write_text(text)
+    out = tmp_path / f"rewritten_{mutation.form}_{mutation.name}"
+    result = run_cli(variant, "--out", out)
+    if mutation.expect == "refused":
+        assert mutation.why
+        assert_one_line_error(result, "modeling_deepseek.py", mutation.why)
+        assert not out.exists() and (variant / "modeling_deepseek.py").read_text() == text
+        return
+    assert result[0] == 0, result[2]
+    rewritten = build_model(out, seed=5)
+    with torch.no_grad():
+        for name, p in rewritten.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(6)) * 0.1)
+    rewritten.save_pretrained(tmp_path / "weights")
+    shutil.copy(tmp_path / "weights" / "model.safetensors", variant / "model.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    own = AutoModelForCausalLM.from_pretrained(variant, trust_remote_code=True, torch_dtype=torch.float32).train()
+    if mutation.form == "v3":
+        _eval_branch_with_grads(own)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))
+    loss, grads = _train_step(rewritten.train(), ids)
+    own_loss, own_grads = _train_step(own, ids)
+    assert abs(loss - own_loss) <= ATOL
+    assert grads.keys() == own_grads.keys()
+    for name, grad in own_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= ATOL, name
