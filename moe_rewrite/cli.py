@@ -7,6 +7,7 @@ Exit codes: 0 done (or nothing to change), 1 `--in-place` changed a file or `--c
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from pathlib import Path
 
@@ -58,11 +59,18 @@ def _check_publishing(out: Path | None, push_to_hub: str | None, include_weights
 
 
 def _publish(
-    src: sources.Source, result: RewriteResult, options: RewriteOptions, out: Path | None, push: publish.Push | None
+    src: sources.Source,
+    result: RewriteResult,
+    options: RewriteOptions,
+    out: Path | None,
+    push: publish.Push | None,
+    force: bool = False,
 ) -> None:
     """--out and/or --push-to-hub for the one SOURCE: everything is planned (and checked) first, then pushed, then
     written, so that a failed push leaves nothing written."""
     checkpoint = publish.plan_checkpoint(src, result.text)
+    if out is not None:
+        publish.check_out_files(out, checkpoint, force)
     uploaded = checkpoint.code_and_config()
     url = publish.push_to_hub(push, uploaded) if push is not None else None
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
@@ -114,17 +122,22 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
               help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
                    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
                    "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).")
+@click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option("--skip-unrecognised", is_flag=True,
               help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(specs, out, in_place, check, diff, revision, token, backend, stacking, aux_loss, bias_update,
-            gradient_checkpointing, compat, fuse_experts, skip_unrecognised, include_weights, push_to_hub, create_pr, commit_message, private,
-            push_revision) -> int:
+            gradient_checkpointing, compat, fuse_experts, force, skip_unrecognised, include_weights, push_to_hub, create_pr,
+            commit_message, private, push_revision) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
     """
     _check_modes(specs, out, in_place, check, diff, push_to_hub)
+    if force and out is None:
+        raise RewriteError("--force applies to --out DIR")
+    if token is not None and (not token.isprintable() or any(c.isspace() for c in token)):
+        raise RewriteError("--token: contains a space, line break or control character; pass the token alone")
     _check_publishing(out, push_to_hub, include_weights, create_pr=create_pr, private=private,
                       commit_message=commit_message, push_revision=push_revision)
     options = RewriteOptions(
@@ -154,6 +167,8 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         publish.check_out_dir(out, resolved[0])
 
     changed = 0
+    in_place_writes: list[tuple[Path, bytes | Path, Path | None]] = []
+    rewriting: list[str] = []
     for src, result in zip(resolved, results):
         path = src.modeling_file
         if result is None:
@@ -168,7 +183,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
                 revision=push_revision,
                 token=token,
             )
-            _publish(src, result, options, out, push)
+            _publish(src, result, options, out, push, force)
             continue
         if not result.changed:
             continue
@@ -179,23 +194,46 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
             click.echo(f"would rewrite {path} ({_describe(result, options)})", err=True)
         if in_place:
             # A vendored file may be a symlink: rewrite the file it points to and keep the link.
-            publish.write_atomic(path.resolve(), result.text.encode("utf-8"), mode_from=path)
-            click.echo(f"Rewriting {path} ({_describe(result, options)})", err=True)
+            target = path.resolve()
+            if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
+                raise RewriteError(f"{path}: cannot be rewritten in place (not writable); nothing was written")
+            in_place_writes.append((target, result.text.encode("utf-8"), path))
+            rewriting.append(f"Rewriting {path} ({_describe(result, options)})")
+    publish.commit_staged(in_place_writes)  # every file or none
+    for line in rewriting:
+        click.echo(line, err=True)
     return changed
 
 
+def _secrets(argv: list[str]) -> list[str]:
+    """Tokens given on the command line or in the environment, which no message may show."""
+    found = [os.environ.get(name, "") for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+    for i, arg in enumerate(argv):
+        if arg == "--token" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--token="):
+            found.append(arg[len("--token=") :])
+    return [s for s in found if s]
+
+
+def _error(message: str, argv: list[str]) -> int:
+    for secret in _secrets(argv):
+        message = message.replace(secret, "***")
+    line = " ".join(message.split())  # one line, whatever a library put in it
+    click.echo(f"moe-rewrite: error: {line}", err=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        return command.main(args=argv, prog_name="moe-rewrite", standalone_mode=False) or 0
+        return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:
-        click.echo(f"moe-rewrite: error: {e}", err=True)
-        return 2
+        return _error(str(e), args)
     except click.ClickException as e:
-        click.echo(f"moe-rewrite: error: {e.format_message()}", err=True)
-        return 2
+        return _error(e.format_message(), args)
     except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)
-        click.echo(f"moe-rewrite: error: {e.filename or ''}: {e.strerror or e}", err=True)
-        return 2
+        return _error(f"{e.filename or ''}: {e.strerror or e}; nothing was written", args)
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)
         return 1

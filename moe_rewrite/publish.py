@@ -3,6 +3,7 @@ its code and config files to a Hub repo in one commit."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,6 +18,10 @@ from moe_rewrite.sources import Source, auto_map_refs, is_hub_code_file, split_c
 # Files copied into an output checkpoint; everything else (weights, index, tokenizer) is linked.
 COPIED_SUFFIXES = (".py",)
 COPIED_NAMES = ("config.json", "generation_config.json")
+
+# In an output directory: what moe-rewrite wrote there ({"files": {name: sha256}, "links": {name: target}}), so a later
+# run replaces only those, and never a file someone else put there (unless --force).
+MANIFEST = ".moe-rewrite.json"
 
 # huggingface_hub's client, imported by the first push (tests replace HfApi): the other commands skip its 0.3 s import.
 HfApi = None
@@ -39,8 +44,8 @@ class Checkpoint:
         return {name: data for name, data in self.files.items() if is_code_or_config(name)}
 
 
-def write_atomic(path: Path, data: bytes, mode_from: Path | None = None) -> None:
-    """Write to a temp file in the same directory, then os.replace: readers never see a half-written file."""
+def _stage(path: Path, data: bytes, mode_from: Path | None = None) -> Path:
+    """`data` in a temp file beside `path`, ready to be renamed over it (removed again if writing fails)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -49,17 +54,40 @@ def write_atomic(path: Path, data: bytes, mode_from: Path | None = None) -> None
             shutil.copymode(mode_from, tmp)
         else:
             os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
-def link_atomic(target: Path, path: Path) -> None:
+def _stage_link(target: Path, path: Path) -> Path:
     tmp = path.parent / f".{path.name}.{os.getpid()}.link"
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
-    os.replace(tmp, path)
+    return tmp
+
+
+def commit_staged(writes: list[tuple[Path, bytes | Path, Path | None]]) -> None:
+    """Write every (path, bytes or link target, mode_from) or none: each is first staged in a temp file (or temp link)
+    beside its path, and only when all are staged are they renamed into place. A failure or Ctrl-C while staging (disk
+    full, a read-only directory) removes the temps and leaves every path as it was; readers never see a half-written
+    file."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, content, mode_from in writes:
+            tmp = _stage(path, content, mode_from) if isinstance(content, bytes) else _stage_link(content, path)
+            staged.append((tmp, path))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
+
+
+def write_atomic(path: Path, data: bytes, mode_from: Path | None = None) -> None:
+    """Write to a temp file in the same directory, then os.replace: readers never see a half-written file."""
+    commit_staged([(path, data, mode_from)])
 
 
 def check_out_dir(out: Path, source: Source) -> None:
@@ -79,6 +107,52 @@ def check_out_dir(out: Path, source: Source) -> None:
         raise RewriteError(f"{out}: holds the source file itself; use --in-place to rewrite it there")
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _manifest(out: Path) -> dict:
+    try:
+        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"files": {}, "links": {}}
+    ok = isinstance(manifest, dict) and all(isinstance(manifest.get(k), dict) for k in ("files", "links"))
+    return manifest if ok else {"files": {}, "links": {}}
+
+
+def check_out_files(out: Path, checkpoint: Checkpoint, force: bool) -> None:
+    """Refuse to replace what moe-rewrite did not write in `out` (unless `force`): each name it would write or link
+    must be absent, hold what moe-rewrite wrote there before (its manifest), or already hold what it would write."""
+    if not out.is_dir():
+        return
+    manifest = _manifest(out)
+    theirs = []
+    for name, content in [*checkpoint.files.items(), *checkpoint.links.items(), (MANIFEST, None)]:
+        path = out / name
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            raise RewriteError(f"{path}: is a directory, where moe-rewrite would write its {name}")
+        if name == MANIFEST:
+            continue
+        if path.is_symlink():
+            current = os.readlink(path)
+            ours = manifest["links"].get(name) == current or (isinstance(content, Path) and Path(current) == content)
+        else:
+            try:
+                digest = _sha256(path.read_bytes())
+            except OSError as e:
+                raise RewriteError(f"{path}: cannot read ({e.strerror})") from None
+            ours = manifest["files"].get(name) == digest or (isinstance(content, bytes) and _sha256(content) == digest)
+        if not ours:
+            theirs.append(name)
+    if theirs and not force:
+        raise RewriteError(
+            f"{out}: holds {', '.join(theirs)}, which moe-rewrite did not write; rerun with --force to replace "
+            f"{'them' if len(theirs) > 1 else 'it'}, or choose another --out"
+        )
+
+
 def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
     """The patched modeling file, the other code/config files (config.json's auto_map made local) and links to the rest.
 
@@ -92,13 +166,18 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
     for entry in sorted(source.root.iterdir()):
         if entry.name.startswith(".") or entry.name in files:
             continue
+        if is_code_or_config(entry.name) and (entry.exists() or not entry.is_symlink()) and not entry.is_file():
+            raise RewriteError(f"{entry}: not a regular file")
         if code_only:
             if entry.is_file() and is_hub_code_file(entry.name):
                 files[entry.name] = entry.read_bytes()
         elif entry.is_file() and is_code_or_config(entry.name):
             files[entry.name] = entry.read_bytes()
         else:
-            links[entry.name] = entry.resolve() if entry.is_symlink() and source.kind == "dir" else entry.absolute()
+            try:
+                links[entry.name] = entry.resolve(strict=True) if entry.is_symlink() and source.kind == "dir" else entry.absolute()
+            except (OSError, RuntimeError):
+                raise RewriteError(f"{entry}: a link that leads nowhere (missing target or a loop)") from None
     for path in source.external:
         files.setdefault(path.name, path.read_bytes())
     if "config.json" in files:
@@ -107,17 +186,31 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
 
 
 def write_checkpoint(out: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[Path]]:
-    """Write the files and make the links in `out` (never a link to `out` or a directory holding it).
-    Returns (written, linked); written[0] is the patched modeling file."""
+    """Write the files and make the links in `out` (never a link to `out` or a directory holding it), all or none,
+    and record them in its manifest. Returns (written, linked); written[0] is the patched modeling file."""
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest(out)
+    writes: list[tuple[Path, bytes | Path, Path | None]] = []
     written, linked = [], []
     for name, data in checkpoint.files.items():
-        write_atomic(out / name, data)
+        writes.append((out / name, data, None))
+        manifest["files"][name] = _sha256(data)
+        manifest["links"].pop(name, None)
         written.append(out / name)
     for name, target in checkpoint.links.items():
         if not out.resolve().is_relative_to(target.resolve()):
-            link_atomic(target, out / name)
+            writes.append((out / name, target, None))
+            manifest["links"][name] = str(target)
+            manifest["files"].pop(name, None)
             linked.append(out / name)
+    writes.append((out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"), None))
+    try:
+        commit_staged(writes)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)  # only what this run made
+        raise
     return written, linked
 
 
@@ -147,8 +240,9 @@ def localize_auto_map(data: bytes, files: dict[str, bytes], source: Source) -> b
     else written as the Hub writes it (indent 2, keys in their order, non-ASCII escaped only if it was)."""
     try:
         config = json.loads(data)
-    except ValueError:
-        return data
+    except ValueError as e:
+        where = source.root / "config.json" if source.root is not None else "config.json"
+        raise RewriteError(f"{where}: not valid JSON ({e})") from None
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
     if not isinstance(auto_map, dict) or not any(repo for _, repo, _ in auto_map_refs(auto_map)):
         return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import re
 from fnmatch import fnmatch
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ class Source:
 
 
 def read_text(path: Path) -> str:
-    """A file's text with its line endings kept as they are (CRLF stays CRLF)."""
+    """A file's text with its line endings kept as they are (CRLF stays CRLF); only regular files are read (a FIFO
+    would block)."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise RewriteError(f"{path}: not a regular file")
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise RewriteError(f"{path}: not UTF-8 text") from None
@@ -121,6 +125,8 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None, we
     if revision is not None and path.exists():
         raise RewriteError(f"{spec}: --revision applies to Hub repo ids, not to local paths")
     if path.is_dir():
+        if weights:
+            raise RewriteError(f"{spec}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
         return _from_dir(spec, path, "dir")
     if path.is_file():
         if path.suffix != ".py":

@@ -70,6 +70,12 @@ def snapshot(path: Path) -> dict[str, bytes]:
     return result
 
 
+def written_entries(out: Path) -> list[Path]:
+    """What an --out run put in `out`, less the manifest (.moe-rewrite.json) every such run writes there."""
+    assert (out / ".moe-rewrite.json").is_file()
+    return [p for p in out.iterdir() if p.name != ".moe-rewrite.json"]
+
+
 _counter = iter(range(10**6))
 
 
@@ -89,6 +95,22 @@ def build_model(path: Path, seed: int = 0, **config_overrides):
     config = AutoConfig.from_pretrained(path, trust_remote_code=True, **config_overrides)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.float32)
+
+
+def per_expert_grads(grads: dict) -> dict:
+    """Gradients of fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) under the per-expert names."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
+            for i in range(grad.shape[0]):
+                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = grad[i, :half], grad[i, half:]
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
+        else:
+            out[name] = grad
+    return out
 
 
 def model_module(model):

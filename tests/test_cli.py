@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, V3_DIR, assert_one_line_error, run_cli, snapshot
+from conftest import ROOT, V3_DIR, assert_one_line_error, run_cli, snapshot, written_entries
 
 PAIRS = ROOT / "tests" / "pairs"
 from moe_rewrite import __version__, rewrite_source
@@ -100,7 +100,7 @@ def test_out_from_checkpoint_dir(tmp_path):
     assert stdout == ""
     assert "Traceback" not in err
     assert f"-> {out / MODELING}" in err
-    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+    assert sorted(p.name for p in written_entries(out)) == sorted((MODELING, *COPIED, *LINKED))
     patched = out / MODELING
     assert patched.is_file() and not patched.is_symlink()
     text = patched.read_text()
@@ -148,7 +148,7 @@ def test_out_inside_the_source_dir(tmp_path):
     code, _, err = run_cli(src, "--out", out)
 
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+    assert sorted(p.name for p in written_entries(out)) == sorted((MODELING, *COPIED, *LINKED))
     assert not (out / "patched").exists() and not (out / "patched").is_symlink()
 
 
@@ -164,7 +164,7 @@ def test_out_from_bare_py_file(tmp_path):
 
     assert code == 0, err
     assert stdout == ""
-    assert [p.name for p in out.iterdir()] == ["modeling_custom.py"]
+    assert [p.name for p in written_entries(out)] == ["modeling_custom.py"]
     written = out / "modeling_custom.py"
     assert written.is_file() and not written.is_symlink()
     assert "def moe_train(" in written.read_text()
@@ -499,7 +499,7 @@ def test_python_m_success(tmp_path):
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
     assert (out / MODELING).read_text() == patched_text(SMALL_V3)
-    assert sorted(p.name for p in out.iterdir()) == sorted((MODELING, *COPIED, *LINKED))
+    assert sorted(p.name for p in written_entries(out)) == sorted((MODELING, *COPIED, *LINKED))
 
 
 def test_in_place_through_a_symlink_rewrites_the_target_and_keeps_the_link(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import FORM_DIRS, ROOT, build_model, run_cli  # noqa: E402
+from conftest import FORM_DIRS, ROOT, build_model, per_expert_grads, run_cli  # noqa: E402
 
 STAGES = ("import", "load", "eval", "generate", "train", "save")
 # The releases `make test` builds environments for, and the one this suite runs in.
@@ -149,22 +149,6 @@ def test_stand_in_fails_where_the_published_files_fail(release, form, variant, c
     assert fragment in stages.get(stage, ""), (stage, fragment, stages)
 
 
-def _per_expert(grads: dict) -> dict:
-    """Gradients of fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) under the per-expert names."""
-    out = {}
-    for name, grad in grads.items():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
-            for i in range(grad.shape[0]):
-                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = grad[i, :half], grad[i, half:]
-        elif name.endswith("experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
-        else:
-            out[name] = grad
-    return out
-
-
 def _assert_same_numbers(ours: dict, theirs: dict, stages: dict, atol: float = ATOL, grads: bool = True) -> int:
     """Compare what both ran; returns how many numbers were compared."""
     compared = 0
@@ -176,7 +160,7 @@ def _assert_same_numbers(ours: dict, theirs: dict, stages: dict, atol: float = A
         compared += 1
     if stages.get("train") == "ok":
         assert abs(ours["loss"].item() - theirs["loss"].item()) <= atol
-        mine, other = _per_expert(ours["grads"]), _per_expert(theirs["grads"])
+        mine, other = per_expert_grads(ours["grads"]), per_expert_grads(theirs["grads"])
         assert mine.keys() == other.keys()
         for name, grad in other.items() if grads else ():
             assert (mine[name] - grad).abs().max().item() <= atol, name

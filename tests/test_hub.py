@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, V2_DIR, V3_DIR, assert_one_line_error, snapshot
+from conftest import ROOT, V2_DIR, V3_DIR, assert_one_line_error, snapshot, written_entries
 
 MODELING = "modeling_deepseek.py"
 CODE_FILES = ("config.json", "configuration_deepseek.py", MODELING)
@@ -148,8 +148,8 @@ def cli(hub_cache):
 
 def assert_code_only_checkpoint(out: Path, form_dir: Path) -> str:
     """out holds the patched modeling file and copies (not links into the cache) of the code/config files only."""
-    assert sorted(p.name for p in out.iterdir()) == sorted(CODE_FILES)
-    for p in out.iterdir():
+    assert sorted(p.name for p in written_entries(out)) == sorted(CODE_FILES)
+    for p in written_entries(out):
         assert p.is_file() and not p.is_symlink(), p
     for name in ("config.json", "configuration_deepseek.py"):
         assert (out / name).read_bytes() == (form_dir / name).read_bytes(), name

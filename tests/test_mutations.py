@@ -13,32 +13,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import FORM_DIRS, assert_one_line_error, build_model, run_cli  # noqa: E402
+from conftest import FORM_DIRS, assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
 from mutations import MUTATIONS, variant_text  # noqa: E402
 
 ATOL = 1e-5  # fp32, the same sums in another order
 
 
-def _per_expert(grads: dict) -> dict:
-    """Gradients of fused experts under the per-expert parameter names."""
-    out = {}
-    for name, grad in grads.items():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
-            for i in range(grad.shape[0]):
-                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = grad[i, :half], grad[i, half:]
-        elif name.endswith("experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
-        else:
-            out[name] = grad
-    return out
-
-
 def _train_step(model, ids) -> tuple[float, dict]:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item(), _per_expert({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    return loss.item(), per_expert_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
 def _eval_branch_with_grads(model) -> None:

@@ -422,6 +422,23 @@ def _is_generated(stmt: cst.BaseStatement) -> bool:
     return bool(names) and all(n.startswith(GENERATED_PREFIXES) for n in names)
 
 
+BANNER = "# ---- moe-rewrite"  # the first line above the generated block (templates.banner_lines)
+
+
+def _generated_block(module: cst.Module) -> set[int]:
+    """ids of the statements of an earlier run's block: from the one under the banner on, while their names are
+    generated ones. A name with the generated prefix elsewhere in the file is the user's and stays."""
+    found: set[int] = set()
+    inside = False
+    for stmt in module.body:
+        if any(line.comment and line.comment.value.startswith(BANNER) for line in getattr(stmt, "leading_lines", ())):
+            inside = True
+        inside = inside and _is_generated(stmt)
+        if inside:
+            found.add(id(stmt))
+    return found
+
+
 def transform(
     module: cst.Module, options: RewriteOptions, extra_sections: tuple[str, ...] = ()
 ) -> tuple[cst.Module, MoeClassInfo]:
@@ -430,8 +447,9 @@ def transform(
     new_moe = with_methods(moe, forward, render_moe_methods(module, options))
     block = render_block(module, moe.name.value, options, extra_sections)
     body: list[cst.BaseStatement] = []
+    generated = _generated_block(module)
     for stmt in module.body:
-        if _is_generated(stmt):
+        if id(stmt) in generated:
             continue
         if stmt is moe:
             body += [*block, new_moe]

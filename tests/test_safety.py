@@ -1,0 +1,155 @@
+"""Nothing a user owns is lost, and no input gives a traceback, a hang or a partial write: --out never replaces a
+file moe-rewrite did not write (without --force), tokens never show, hostile files get one line and exit 2, a write
+that fails part-way leaves everything as it was, and the file outside the edits stays byte for byte."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import V2_DIR, V3_DIR, assert_one_line_error, run_cli, snapshot
+from moe_rewrite import cli, publish, rewrite_source
+
+SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    source = tmp_path / "ckpt"
+    shutil.copytree(V3_DIR, source)
+    (source / "model.safetensors").write_bytes(b"weights")
+    return source
+
+
+def test_out_never_replaces_a_file_moe_rewrite_did_not_write(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the user's own weights")
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    assert_one_line_error(run_cli(checkpoint, "--out", out), "model.safetensors", "--force")
+    assert snapshot(out) == before
+    code, _, err = run_cli(checkpoint, "--out", out, "--force")
+    assert code == 0, err
+    assert (out / "model.safetensors").resolve() == (checkpoint / "model.safetensors").resolve()
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_run_replaces_what_the_first_wrote_but_not_later_edits(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(checkpoint, "--out", out)[0] == 0
+    assert run_cli(checkpoint, "--out", out, "--no-fuse-experts")[0] == 0  # our own files: replaced
+    assert "rewritten with --no-fuse-experts" in (out / "modeling_deepseek.py").read_text()
+    (out / "config.json").write_text('{"edited": true}')
+    assert_one_line_error(run_cli(checkpoint, "--out", out), "config.json", "did not write")
+    assert (out / "config.json").read_text() == '{"edited": true}'
+
+
+def test_a_directory_where_a_file_goes_is_refused_before_anything_is_written(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    (out / "config.json").mkdir(parents=True)
+    assert_one_line_error(run_cli(checkpoint, "--out", out), "config.json", "is a directory")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_a_write_that_fails_part_way_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    calls = []
+    real = publish._stage
+
+    def disk_full_on_the_third_file(path, data, mode_from=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data, mode_from)
+
+    monkeypatch.setattr(publish, "_stage", disk_full_on_the_third_file)
+    assert_one_line_error(run_cli(checkpoint, "--out", out), "No space left on device", "nothing was written")
+    assert not out.exists()
+
+
+def test_in_place_over_several_files_writes_all_or_none(tmp_path, monkeypatch):
+    first, second = tmp_path / "a" / "modeling_deepseek.py", tmp_path / "b" / "modeling_deepseek.py"
+    for path, src in ((first, V3_DIR), (second, V2_DIR)):
+        path.parent.mkdir()
+        shutil.copy(src / "modeling_deepseek.py", path)
+    before = {p: p.read_bytes() for p in (first, second)}
+    real = publish._stage
+
+    def read_only_second(path, data, mode_from=None):  # the directory turned read-only after the checks passed
+        if path == second:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, data, mode_from)
+
+    monkeypatch.setattr(publish, "_stage", read_only_second)
+    assert_one_line_error(run_cli(first, second, "--in-place"), str(second), "Permission denied", "nothing was written")
+    assert {p: p.read_bytes() for p in (first, second)} == before
+    assert sorted(p.name for p in first.parent.iterdir()) == ["modeling_deepseek.py"]  # no temp file left
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != second.resolve())
+    assert_one_line_error(run_cli(first, second, "--in-place"), str(second), "not writable")
+    assert {p: p.read_bytes() for p in (first, second)} == before
+
+
+def test_tokens_never_show(checkpoint, tmp_path, monkeypatch, capsys):
+    secret = "hf_SECRETsecret"
+    code, out, err = run_cli(checkpoint, "--out", tmp_path / "o", "--token", f"{secret}\r\nX-Injected: 1")
+    assert code == 2 and secret not in out + err and "--token" in err
+    assert not (tmp_path / "o").exists()
+    # whatever a library puts in an error message (a header echoed back, a URL), the token is masked
+    assert cli._error(f"Hub said: bad header 'Bearer {secret}'", ["--token", secret]) == 2
+    monkeypatch.setenv("HF_TOKEN", "hf_fromTheEnvironment")
+    assert cli._error("request with hf_fromTheEnvironment failed", []) == 2
+    err = capsys.readouterr().err
+    assert secret not in err and "hf_fromTheEnvironment" not in err and err.count("***") == 2
+
+
+def test_hostile_sources_get_one_line_and_exit_2(tmp_path):
+    cases = {
+        "nested": SOURCE + "\nX = " + "(" * 2000 + "1" + ")" * 2000 + "\n",
+        "long_chain": SOURCE + "\nX = " + " + ".join(["1"] * 500) + "\n",
+        "syntax": SOURCE + "\ndef broken(:\n",
+    }
+    for name, text in cases.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        code, out, err = run_cli(path, "--check")
+        assert "Traceback" not in err and err.count("\n") <= 1, (name, err)
+        if name == "long_chain":
+            assert code == 1, err  # deep but legal: rewritten (would change)
+        else:
+            assert_one_line_error((code, out, err), str(path))
+
+
+def test_fifo_symlink_loop_and_broken_config_in_a_checkpoint(checkpoint, tmp_path):
+    fifo_dir = tmp_path / "fifo"
+    shutil.copytree(checkpoint, fifo_dir)
+    (fifo_dir / "config.json").unlink()
+    os.mkfifo(fifo_dir / "config.json")
+    assert_one_line_error(run_cli(fifo_dir, "--out", tmp_path / "o1"), "config.json", "not a regular file")
+    loop_dir = tmp_path / "loop"
+    shutil.copytree(checkpoint, loop_dir)
+    os.symlink(loop_dir / "b.bin", loop_dir / "a.bin")
+    os.symlink(loop_dir / "a.bin", loop_dir / "b.bin")
+    assert_one_line_error(run_cli(loop_dir, "--out", tmp_path / "o2"), "a.bin")
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    (broken / "config.json").write_text('{"auto_map": ')
+    assert_one_line_error(run_cli(broken, "--out", tmp_path / "o3"), "config.json", "not valid JSON")
+    for name in ("o1", "o2", "o3"):
+        assert not (tmp_path / name).exists()
+
+
+def test_include_weights_with_a_local_checkpoint_is_refused(checkpoint, tmp_path):
+    assert_one_line_error(run_cli(checkpoint, "--out", tmp_path / "o", "--include-weights"), "--include-weights")
+
+
+def test_bom_final_cr_and_user_names_with_the_generated_prefix_are_kept():
+    text = "\ufeffMOE_REWRITE_DEBUG = False\n" + SOURCE + "\r"
+    once = rewrite_source(text).text
+    assert once.startswith("\ufeffMOE_REWRITE_DEBUG = False\n") and once.endswith("\r") and not once.endswith("\n\r\n")
+    assert rewrite_source(once).text == once
+    assert once.count("MOE_REWRITE_DEBUG = False") == 1
