@@ -53,6 +53,10 @@ MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_
 MOE_TRAIN_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_train")))
 SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SELF_GATE_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("gate")))
+EP_SIZE_IS_1 = m.Comparison(
+    left=m.Attribute(value=m.Name("self"), attr=m.Name("ep_size")),
+    comparisons=[m.ComparisonTarget(operator=m.Equal(), comparator=m.Integer("1"))],
+)
 GENERATED_PREFIXES = ("MOE_REWRITE_", "_moe_rewrite_", "_MoeRewrite")
 GENERATED_METHODS = ("moe_train",)  # and every method named moe_rewrite_*
 
@@ -68,13 +72,30 @@ def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
 
 
+def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
+    """ESFT form: the forward's `if self.ep_size == 1:` branch holding the loop over the experts (or moe_train)."""
+    for stmt in forward.body.body:
+        if m.matches(stmt, m.If(test=EP_SIZE_IS_1)) and m.findall(
+            stmt.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])) | MOE_TRAIN_CALL  # type: ignore[attr-defined]
+        ):
+            return cst.ensure_type(stmt, cst.If)
+    return None
+
+
 def find_moe_class(module: cst.Module) -> cst.ClassDef:
-    """The one top-level class defining both forward() and moe_infer()."""
+    """The one top-level class defining both forward() and moe_infer() (or, ESFT form, a forward whose
+    `if self.ep_size == 1:` branch loops over the experts)."""
     found = [
         s
         for s in module.body
         if isinstance(s, cst.ClassDef) and {"forward", "moe_infer"} <= _methods(s).keys()
     ]
+    if not found:
+        found = [
+            s
+            for s in module.body
+            if isinstance(s, cst.ClassDef) and "forward" in _methods(s) and _esft_branch(_methods(s)["forward"])
+        ]
     if not found:
         raise NotMoeFileError("not a DeepSeek-family MoE file: no class defines both forward() and moe_infer()")
     if len(found) > 1:
@@ -249,7 +270,7 @@ def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
 
 
 def _rewrite_v2_training_body(
-    body: cst.IndentedBlock, infer_args: list[cst.Arg], forward: cst.FunctionDef, branch: cst.If, where: str
+    body: cst.IndentedBlock, infer_args: list[cst.Arg], forward: cst.FunctionDef, branch: cst.If, where: str, skip_after: int = 0
 ) -> cst.IndentedBlock:
     """Replace exactly the per-expert computation: the tokens' repeat_interleave, the output buffer, the loop and the
     weighted sum, as published. Every other statement stays, in order, before the moe_train call (if it cannot see
@@ -318,7 +339,7 @@ def _rewrite_v2_training_body(
                 raise RewriteError(f"{where}: `{_code(stmt)}` reads the per-expert copies of the tokens; moe-rewrite cannot keep it exactly")
             buffer_live = buffer_live and y not in _assigned_in(stmt)
             kept_after.append(stmt)
-    for stmt in _statements_after(forward, branch):
+    for stmt in _statements_after(forward, branch)[skip_after:]:
         if _uses_beyond_dtype(stmt, tokens):
             raise RewriteError(f"{where}: `{_code(stmt)}` reads `{tokens}`, which training repeats per expert; moe-rewrite cannot keep it exactly")
     target = cst.ensure_type(cst.ensure_type(stmts[total], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
@@ -367,6 +388,8 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
     name = moe.name.value
     where = f"{name}.forward"
     forward = drop_training_guards(_methods(moe)["forward"], where)
+    if "moe_infer" not in _methods(moe):
+        return _rewrite_esft(forward, options, where), "esft"
     arity = _gate_arity(forward, where)
     branch = _training_if(forward, where)
     if arity == 2 and m.matches(branch.test, NOT_SELF_TRAINING):
@@ -392,6 +415,63 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             "expected 2 with `if not self.training:` (V3 form) or 3 with `if self.training:` (V2 form))"
         )
     return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
+
+
+def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str) -> cst.FunctionDef:
+    """ESFT form (DeepSeek's expert-specialised fine-tuning fork of V2): one per-expert loop for training and eval,
+    then the weighted sum shared with the expert-parallel path::
+
+        # Before                                         # After
+        if self.ep_size == 1:                            if self.ep_size == 1:
+            hidden_states = hidden_states.repeat_...(...)    y = self.moe_train(hidden_states, topk_idx, topk_weight)
+            y = torch.empty_like(hidden_states)          else:
+            for i, expert in enumerate(self.experts):        y = self.moe_ep(hidden_states, topk_idx)
+                y[flat_topk_idx == i] = expert(...)          y = (y.view(...) * topk_weight.unsqueeze(-1)).sum(dim=1)
+        else:
+            y = self.moe_ep(hidden_states, topk_idx)
+        y = (y.view(...) * topk_weight.unsqueeze(-1)).sum(dim=1)
+
+    The expert-parallel path is left as it is; the same exact-or-refused rules as the V2 form apply."""
+    if options.aux_loss or options.bias_update is not None:
+        raise RewriteError(f"{where}: --aux-loss and --bias-update apply to the V3 form; this ESFT-form file trains its own aux loss")
+    if options.fuse_experts:
+        raise RewriteError(
+            f"{where}: ESFT form: it trains selected experts (requires_grad per expert), which fused experts cannot "
+            "express; rewrite with --no-fuse-experts"
+        )
+    branch = cst.ensure_type(_esft_branch(forward), cst.If)
+    if m.findall(branch.body, MOE_TRAIN_CALL):
+        return forward  # already rewritten
+    if branch.orelse is None or not isinstance(branch.orelse, cst.Else):
+        raise RewriteError(f"{where}: `if self.ep_size == 1:` has no else branch for expert parallelism")
+    after = _statements_after(forward, branch)
+    star = m.Arg(star="*", value=m.Attribute(value=m.Name(), attr=m.Name("shape")))
+    weights = next(iter(m.findall(after[0], star)), None) if after else None
+    flat_defs = [s for s in forward.body.body if m.matches(s, m.SimpleStatementLine(body=[m.Assign(value=m.Call(func=m.Attribute(attr=m.Name("view"))))]))]
+    loop = next(iter(m.findall(branch.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])))))
+    found = _experts_loop_names(cst.ensure_type(loop, cst.For))
+    if weights is None or found is None:
+        raise RewriteError(f"{where}: no weighted sum right after `if self.ep_size == 1:`, or its experts loop is not the published one")
+    flat = found[1]
+    ids = next(
+        (
+            cst.ensure_type(cst.ensure_type(cst.ensure_type(d.body[0], cst.Assign).value, cst.Call).func, cst.Attribute).value
+            for d in flat_defs
+            if _assign_target(d) == flat
+        ),
+        None,
+    )
+    if not isinstance(ids, cst.Name):
+        raise RewriteError(f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`")
+    args = [cst.Arg(cst.Name(found[2])), cst.Arg(ids), cst.Arg(cst.ensure_type(weights, cst.Arg).value.value)]  # type: ignore[attr-defined]
+    merged = cst.IndentedBlock(body=[*_block(branch.body).body, after[0]])
+    body = _rewrite_v2_training_body(merged, args, forward, branch, where, skip_after=1)
+    orelse = _block(branch.orelse.body)
+    new_branch = branch.with_changes(
+        body=body, orelse=branch.orelse.with_changes(body=orelse.with_changes(body=[*orelse.body, after[0]]))
+    )
+    statements = [new_branch if s is branch else s for s in forward.body.body if s is not after[0]]
+    return forward.with_changes(body=forward.body.with_changes(body=statements))
 
 
 def is_generated_method(name: str) -> bool:
