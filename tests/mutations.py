@@ -25,6 +25,13 @@ V2_LOOP = (
 V2_SUM = "            y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)\n"
 V2_FLAT = "        flat_topk_idx = topk_idx.view(-1)\n"
 V2_AFTER_IF = "        if self.config.n_shared_experts is not None:\n"
+ESFT_LOOP = (
+    "            for i, expert in enumerate(self.experts):\n"
+    "                y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])\n"
+    "        else:\n"
+)
+ESFT_SUM = "        y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)\n"
+ESFT_BUFFER = "            y = torch.empty_like(hidden_states)\n"
 V3_INFER = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n"
 V3_BRANCH = "        if not self.training:\n" + V3_INFER
 V3_GUARD = "            assert not self.training\n"
@@ -33,11 +40,16 @@ V3_MOE_START = "        residual = hidden_states\n        orig_shape = hidden_st
 
 @dataclass(frozen=True)
 class Mutation:
-    form: str  # "v2" or "v3"
+    form: str  # "v2", "v3" or "esft"
     name: str
     expect: str  # "exact" or "refused"
     edits: tuple[tuple[str, str], ...]  # (old, new) text replacements, each old found exactly once
     why: str = ""  # for "refused": what the one-line error must say
+    options: tuple[str, ...] = ()  # for the rewrite
+
+    @property
+    def fixture(self) -> Path:
+        return FIXTURES / ("deepseek_v2_esft" if self.form == "esft" else f"deepseek_{self.form}")
 
     def apply(self, text: str) -> str:
         for old, new in self.edits:
@@ -120,6 +132,23 @@ MUTATIONS = [
         (_before(V2_AFTER_IF, "        self.rows_seen = hidden_states.shape[0]\n"),),
         why='`self.rows_seen = hidden_states.shape[0]` reads `hidden_states`',
     ),
+    # ESFT form (one loop for training and eval under `if self.ep_size == 1:`, the sum after it)
+    Mutation(
+        "esft", "weights_scaled_before_loop", "exact",
+        (_after(ESFT_BUFFER, "            topk_weight = topk_weight * 0.5\n"),), options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft", "output_scaled_after_sum", "exact", (_after(ESFT_SUM, "        y = y * 2.0\n"),), options=("--no-fuse-experts",)
+    ),
+    Mutation(
+        "esft", "output_scaled_after_loop", "refused",
+        ((ESFT_LOOP, ESFT_LOOP.replace("        else:\n", "            y = y * 2.0\n        else:\n")),),
+        why="`y = y * 2.0` sits between", options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft", "statement_before_sum", "refused", (_before(ESFT_SUM, "        y = y.float()\n"),),
+        why="no weighted sum right after", options=("--no-fuse-experts",),
+    ),
     # V3 form: the eval branch and the training guards
     Mutation("v3", "output_scaled_in_eval", "exact", (_after(V3_INFER, "            y = y * 2.0\n"),)),
     Mutation("v3", "weights_scaled_in_eval", "exact", (_before(V3_INFER, "            topk_weight = topk_weight * 0.5\n"),)),
@@ -152,7 +181,7 @@ MUTATIONS = [
 
 
 def variant_text(mutation: Mutation) -> str:
-    return mutation.apply((FIXTURES / f"deepseek_{mutation.form}" / "modeling_deepseek.py").read_text())
+    return mutation.apply((mutation.fixture / "modeling_deepseek.py").read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py): each variant is either refused
 (exit 2, one line, nothing written) or rewritten, and then one training step gives the variant's own numbers, loss and
-every gradient: V2 form, its own per-expert loop; V3 form, its own eval branch run with gradients (its MoE layers in
+every gradient: V2 and ESFT forms, their own per-expert loop; V3 form, its own eval branch run with gradients (its MoE layers in
 eval mode, moe_infer without its no_grad)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import FORM_DIRS, assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
+from conftest import assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
 from mutations import MUTATIONS, variant_text  # noqa: E402
 
 ATOL = 1e-5  # fp32, the same sums in another order
@@ -36,11 +36,11 @@ def _eval_branch_with_grads(model) -> None:
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
 def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
     variant = tmp_path / f"variant_{mutation.form}_{mutation.name}"  # one module cache entry per variant
-    shutil.copytree(FORM_DIRS[mutation.form], variant)
+    shutil.copytree(mutation.fixture, variant)
     text = variant_text(mutation)
     (variant / "modeling_deepseek.py").write_text(text)
     out = tmp_path / f"rewritten_{mutation.form}_{mutation.name}"
-    result = run_cli(variant, "--out", out)
+    result = run_cli(variant, "--out", out, *mutation.options)
     if mutation.expect == "refused":
         assert mutation.why
         assert_one_line_error(result, "modeling_deepseek.py", mutation.why)

@@ -153,3 +153,21 @@ def test_bom_final_cr_and_user_names_with_the_generated_prefix_are_kept():
     assert once.startswith("\ufeffMOE_REWRITE_DEBUG = False\n") and once.endswith("\r") and not once.endswith("\n\r\n")
     assert rewrite_source(once).text == once
     assert once.count("MOE_REWRITE_DEBUG = False") == 1
+
+
+def test_ctrl_c_while_writing_leaves_no_temp_file_and_no_output(checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    calls = []
+    real = publish._stage
+
+    def interrupted_on_the_second_file(path, data, mode_from=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(path, data, mode_from)
+
+    monkeypatch.setattr(publish, "_stage", interrupted_on_the_second_file)
+    code, _, err = run_cli(checkpoint, "--out", out)
+    assert code != 0 and "aborted" in err and "Traceback" not in err
+    assert not out.exists()
+    assert snapshot(checkpoint) == snapshot(V3_DIR) | {"model.safetensors": b"weights"}
