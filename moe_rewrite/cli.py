@@ -1,7 +1,8 @@
 """The `moe-rewrite` command: parse options, call the library, map errors to exit codes.
 
 Exit codes: 0 done (or nothing to change), 1 `--in-place` changed a file or `--check`/`--diff` found one to change
-(the pre-commit convention), 2 bad input: one line on stderr, nothing written.
+(the pre-commit convention), 2 bad input: one line on stderr, nothing written for it (with several files, the others
+are still handled, and the run exits 2).
 """
 
 from __future__ import annotations
@@ -151,58 +152,70 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
     )
     if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
-    # Everything is resolved and rewritten before anything is written: an error leaves every file as it was.
-    resolved = [sources.resolve(spec, revision, token, include_weights) for spec in specs]
-    results = []
-    for src in resolved:
-        text = src.read()
-        try:
-            results.append(rewrite_source(text, options))
-        except RewriteError as e:
-            if skip_unrecognised and isinstance(e, NotMoeFileError):
-                results.append(None)  # reported below, once nothing else failed
-                continue
-            raise RewriteError(f"{src.modeling_file}: {e}") from None
-    if out is not None and results[0] is not None:
-        publish.check_out_dir(out, resolved[0])
-
-    changed = 0
-    in_place_writes: list[tuple[Path, bytes | Path, Path | None]] = []
-    rewriting: list[str] = []
-    for src, result in zip(resolved, results):
-        path = src.modeling_file
+    if out is not None or push_to_hub is not None:  # one SOURCE (_check_modes)
+        src = sources.resolve(specs[0], revision, token, include_weights)
+        result = _rewrite(src, options, skip_unrecognised)
         if result is None:
-            click.echo(f"{path}: skipped ({NOT_MOE})", err=True)
-            continue
-        if out is not None or push_to_hub is not None:
-            push = None if push_to_hub is None else publish.Push(
-                push_to_hub,
-                commit_message or publish.default_commit_message(options.describe()),
-                create_pr=create_pr,
-                private=private,
-                revision=push_revision,
-                token=token,
-            )
-            _publish(src, result, options, out, push, force)
-            continue
-        if not result.changed:
-            continue
-        changed = 1
-        if diff:
-            click.echo(unified_diff(path, src.read(), result.text), nl=False)
-        if check:
-            click.echo(f"would rewrite {path} ({_describe(result, options)})", err=True)
-        if in_place:
-            # A vendored file may be a symlink: rewrite the file it points to and keep the link.
-            target = path.resolve()
-            if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
-                raise RewriteError(f"{path}: cannot be rewritten in place (not writable); nothing was written")
-            in_place_writes.append((target, result.text.encode("utf-8"), path))
-            rewriting.append(f"Rewriting {path} ({_describe(result, options)})")
-    publish.commit_staged(in_place_writes)  # every file or none
-    for line in rewriting:
-        click.echo(line, err=True)
-    return changed
+            return 0
+        if out is not None:
+            publish.check_out_dir(out, src)
+        push = None if push_to_hub is None else publish.Push(
+            push_to_hub,
+            commit_message or publish.default_commit_message(options.describe()),
+            create_pr=create_pr,
+            private=private,
+            revision=push_revision,
+            token=token,
+        )
+        _publish(src, result, options, out, push, force)
+        return 0
+    # Several files: each is checked and written on its own (atomically), so one bad file does not stop the others.
+    changed = failed = 0
+    for spec in specs:
+        try:
+            changed |= _rewrite_file(spec, options, revision, token, skip_unrecognised, in_place, check, diff)
+        except (RewriteError, OSError) as e:
+            if len(specs) == 1:
+                raise
+            message = str(e) if isinstance(e, RewriteError) else f"{e.filename or spec}: {e.strerror or e}"
+            _error(message, ["--token", token] if token else [])
+            failed += 1
+    return 2 if failed else changed
+
+
+def _rewrite(src: sources.Source, options: RewriteOptions, skip_unrecognised: bool) -> RewriteResult | None:
+    """The rewrite of one source; None for a file that is not a MoE file at all, with --skip-unrecognised."""
+    text = src.read()  # its errors name the file already
+    try:
+        return rewrite_source(text, options)
+    except RewriteError as e:
+        if skip_unrecognised and isinstance(e, NotMoeFileError):
+            click.echo(f"{src.modeling_file}: skipped ({NOT_MOE})", err=True)
+            return None
+        raise RewriteError(f"{src.modeling_file}: {e}") from None
+
+
+def _rewrite_file(
+    spec: str, options: RewriteOptions, revision, token, skip_unrecognised: bool, in_place: bool, check: bool, diff: bool
+) -> int:
+    """--in-place, --check or --diff for one SOURCE: 1 when it changed (or would), else 0."""
+    src = sources.resolve(spec, revision, token)
+    result = _rewrite(src, options, skip_unrecognised)
+    if result is None or not result.changed:
+        return 0
+    path = src.modeling_file
+    if diff:
+        click.echo(unified_diff(path, src.read(), result.text), nl=False)
+    if check:
+        click.echo(f"would rewrite {path} ({_describe(result, options)})", err=True)
+    if in_place:
+        # A vendored file may be a symlink: rewrite the file it points to and keep the link.
+        target = path.resolve()
+        if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
+            raise RewriteError(f"{path}: cannot be rewritten in place (not writable)")
+        publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
+        click.echo(f"Rewriting {path} ({_describe(result, options)})", err=True)
+    return 1
 
 
 def _secrets(argv: list[str]) -> list[str]:

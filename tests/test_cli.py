@@ -226,6 +226,21 @@ def test_in_place_several_files(tmp_path):
     assert f"Rewriting {v3}" in err and f"Rewriting {v2}" in err and str(done) not in err
 
 
+def test_in_place_one_bad_file_does_not_stop_the_others(tmp_path):
+    """As black does: every file is checked; the good ones are rewritten, each bad one gets its one line, exit 2."""
+    good = copy_modeling(tmp_path, "good.py", SMALL_V3)
+    (tmp_path / "bad.py").write_text("x = 1\n")
+    code, out, err = run_cli(tmp_path / "bad.py", good, tmp_path / "gone.py", "--in-place")
+    assert code == 2 and out == "" and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(f"moe-rewrite: error: {tmp_path / 'bad.py'}: not a DeepSeek-family MoE file")
+    assert lines[1].startswith(f"Rewriting {good}")
+    assert lines[2].startswith(f"moe-rewrite: error: {tmp_path / 'gone.py'}: no such file")
+    assert good.read_text() == patched_text(SMALL_V3)
+    assert (tmp_path / "bad.py").read_text() == "x = 1\n" and not (tmp_path / "gone.py").exists()
+
+
 def test_crlf_in_place_stays_crlf(tmp_path):
     path = tmp_path / MODELING
     lf = (V3_DIR / MODELING).read_bytes()
@@ -363,15 +378,6 @@ def _out_with_two_sources(t):
     return [copy_modeling(t, "a.py"), copy_modeling(t, "b.py"), "--out", t / "out"], ["--out"]
 
 
-def _in_place_second_bad(t):
-    (t / "bad.py").write_text("x = 1\n")
-    return [copy_modeling(t, "good.py", SMALL_V3), t / "bad.py", "--in-place"], [str(t / "bad.py")]
-
-
-def _in_place_second_missing(t):
-    return [copy_modeling(t, "good.py"), t / "gone.py", "--in-place"], [str(t / "gone.py")]
-
-
 def _in_place_hub_id(t):
     return ["nobody/nothing", "--in-place"], ["nobody/nothing", "in place", "--out"]
 
@@ -404,8 +410,6 @@ ERROR_CASES = [
     _out_is_source_files_dir,
     _out_is_a_file,
     _out_with_two_sources,
-    _in_place_second_bad,
-    _in_place_second_missing,
     _in_place_hub_id,
     _unknown_backend,
     _unknown_stacking,
@@ -613,15 +617,19 @@ def test_skip_unrecognised_with_out_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_without_skip_unrecognised_a_dense_file_fails_everything(tmp_path):
+NOT_MOE_MESSAGE = "not a DeepSeek-family MoE file: no class defines both forward() and moe_infer()"
+
+
+def test_without_skip_unrecognised_a_dense_file_is_an_error_and_the_others_are_rewritten(tmp_path):
     dense = dense_file(tmp_path)
     moe = copy_modeling(tmp_path, source=SMALL_V3)
-    before = tree(tmp_path)
+    dense_before = dense.read_bytes()
 
     code, stdout, err = run_cli(moe, dense, "--in-place")
 
-    assert_one_line_error((code, stdout, err), str(dense), "not a DeepSeek-family MoE file")
-    assert tree(tmp_path) == before
+    assert code == 2 and stdout == ""
+    assert err.splitlines()[1] == f"moe-rewrite: error: {dense}: {NOT_MOE_MESSAGE}"
+    assert moe.read_text() == patched_text(SMALL_V3) and dense.read_bytes() == dense_before
 
 
 def _skip_syntax_error(t):
@@ -651,7 +659,9 @@ def _skip_not_utf8(t):
     "case", [_skip_syntax_error, _skip_unrecognised_moe, _skip_missing, _skip_not_utf8],
     ids=lambda f: f.__name__.removeprefix("_skip_"),
 )
-def test_skip_unrecognised_other_errors_still_exit_2_and_write_nothing(tmp_path, case, mode):
+def test_skip_unrecognised_other_errors_still_exit_2_for_that_file(tmp_path, case, mode):
+    """Only files that are not MoE files at all are skipped; any other error is that file's one line and exit 2,
+    while the other files are handled as usual."""
     dense = dense_file(tmp_path)
     moe = copy_modeling(tmp_path, source=SMALL_V3)
     bad, mentions = case(tmp_path)
@@ -659,9 +669,15 @@ def test_skip_unrecognised_other_errors_still_exit_2_and_write_nothing(tmp_path,
 
     code, stdout, err = run_cli(dense, moe, bad, mode, "--skip-unrecognised")
 
-    assert_one_line_error((code, stdout, err), str(bad), *mentions)
-    assert SKIPPED not in err
-    assert tree(tmp_path) == before
+    assert code == 2 and "Traceback" not in err
+    skipped, done, error = err.splitlines()[0], err.splitlines()[-2], err.splitlines()[-1]
+    assert skipped == f"{dense}: {SKIPPED}"
+    assert done.startswith(f"{'Rewriting' if mode == '--in-place' else 'would rewrite'} {moe}") or mode == "--diff"
+    assert error.startswith(f"moe-rewrite: error: {bad}:") and all(m in error for m in mentions), error
+    files_before, files_after = before[0], snapshot(tmp_path)
+    key = str(moe.relative_to(tmp_path))
+    assert (files_after.pop(key) != files_before.pop(key)) == (mode == "--in-place")
+    assert files_after == files_before
 
 
 def test_help_lists_skip_unrecognised():

@@ -72,26 +72,35 @@ def test_a_write_that_fails_part_way_leaves_nothing(checkpoint, tmp_path, monkey
     assert not out.exists()
 
 
-def test_in_place_over_several_files_writes_all_or_none(tmp_path, monkeypatch):
-    first, second = tmp_path / "a" / "modeling_deepseek.py", tmp_path / "b" / "modeling_deepseek.py"
-    for path, src in ((first, V3_DIR), (second, V2_DIR)):
+def test_in_place_over_several_files_each_succeeds_or_fails_on_its_own(tmp_path, monkeypatch):
+    """One file that cannot be written (or is refused) does not stop the others, is reported in one line and left
+    as it was, without a temp file; the run exits 2."""
+    first, second, third = (tmp_path / name / "modeling_deepseek.py" for name in ("a", "b", "c"))
+    for path, src in ((first, V3_DIR), (second, V2_DIR), (third, V2_DIR)):
         path.parent.mkdir()
         shutil.copy(src / "modeling_deepseek.py", path)
-    before = {p: p.read_bytes() for p in (first, second)}
+    third.write_text(third.read_text() + "\ndef broken(:\n")
+    before = {p: p.read_bytes() for p in (first, second, third)}
     real = publish._stage
 
-    def read_only_second(path, data, mode_from=None):  # the directory turned read-only after the checks passed
+    def disk_full_for_second(path, data, mode_from=None):
         if path == second:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, data, mode_from)
 
-    monkeypatch.setattr(publish, "_stage", read_only_second)
-    assert_one_line_error(run_cli(first, second, "--in-place"), str(second), "Permission denied", "nothing was written")
-    assert {p: p.read_bytes() for p in (first, second)} == before
-    assert sorted(p.name for p in first.parent.iterdir()) == ["modeling_deepseek.py"]  # no temp file left
+    monkeypatch.setattr(publish, "_stage", disk_full_for_second)
+    code, out, err = run_cli(first, second, third, "--in-place")
+    assert code == 2 and out == "" and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"Rewriting {first}")
+    assert lines[1] == f"moe-rewrite: error: {second}: No space left on device"
+    assert lines[2].startswith(f"moe-rewrite: error: {third}: syntax error at line")
+    assert first.read_bytes() != before[first] and b"def moe_train(" in first.read_bytes()
+    assert second.read_bytes() == before[second] and third.read_bytes() == before[third]
+    assert sorted(p.name for p in second.parent.iterdir()) == ["modeling_deepseek.py"]  # no temp file left
     monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != second.resolve())
-    assert_one_line_error(run_cli(first, second, "--in-place"), str(second), "not writable")
-    assert {p: p.read_bytes() for p in (first, second)} == before
+    assert_one_line_error(run_cli(second, "--in-place"), str(second), "not writable")
+    assert second.read_bytes() == before[second]
 
 
 def test_tokens_never_show(checkpoint, tmp_path, monkeypatch, capsys):
