@@ -46,6 +46,9 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
         new_body, compat_changes, info = _rewrite(body, options)
     except RecursionError:
         raise RewriteError("an expression is nested too deeply for moe-rewrite's parser") from None
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, StopIteration) as e:
+        # a structure no matcher expected: still one line and exit 2, never a traceback
+        raise RewriteError(f"moe-rewrite cannot handle this file's structure ({type(e).__name__}: {e}); please report it") from None
     finally:
         sys.setrecursionlimit(limit)
     ending = body[len(body.rstrip("\r\n")) :]  # libcst turns a final lone CR into LF

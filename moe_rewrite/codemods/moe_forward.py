@@ -447,7 +447,8 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
     after = _statements_after(forward, branch)
     star = m.Arg(star="*", value=m.Attribute(value=m.Name(), attr=m.Name("shape")))
     weights = next(iter(m.findall(after[0], star)), None) if after else None
-    flat_defs = [s for s in forward.body.body if m.matches(s, m.SimpleStatementLine(body=[m.Assign(value=m.Call(func=m.Attribute(attr=m.Name("view"))))]))]
+    view_call = m.Assign(targets=[m.AssignTarget(target=m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("view"))))
+    flat_defs = [s for s in forward.body.body if m.matches(s, m.SimpleStatementLine(body=[view_call]))]
     loop = next(iter(m.findall(branch.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])))))
     found = _experts_loop_names(cst.ensure_type(loop, cst.For))
     if weights is None or found is None:
