@@ -33,6 +33,22 @@ def _isolate_hf() -> None:
 _isolate_hf()
 
 
+@pytest.fixture(autouse=True)
+def _seeded_rng(request):
+    """Every test draws from global RNGs seeded from its own id: fresh inputs per test, the same on every run, so a
+    failure reproduces."""
+    import hashlib
+    import random
+
+    seed = int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:4], "little")
+    random.seed(seed)
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.manual_seed(seed)
+
+
 def assert_one_line_error(result: tuple[int, str, str], *mentions: str) -> None:
     """(exit code, stdout, stderr) of bad input: exit 2, nothing on stdout, one `moe-rewrite: error:` line naming each
     of `mentions`, no traceback."""

@@ -44,8 +44,11 @@ def test_fused_experts_train_like_the_per_expert_reference(patched, form, shape)
 def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form, tmp_path):
     original = build_model(patched, seed=3)
     model = copy.deepcopy(original)
-    fuse_experts(model)
-    assert fuse_experts(model) > 0  # a second call changes nothing
+    layers = sum(1 for m in model.modules() if hasattr(m, "moe_rewrite_fuse_experts"))
+    assert fuse_experts(model) == layers > 0
+    fused = {name: p for name, p in model.named_parameters()}
+    assert fuse_experts(model) == layers  # a second call changes nothing: the same parameters, the same values
+    assert {name: p for name, p in model.named_parameters()} == fused
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     original.eval(), model.eval()
     with torch.no_grad():  # eval runs moe_infer, which calls the fused experts one by one

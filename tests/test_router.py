@@ -133,7 +133,33 @@ def test_register_bias_update_runs_after_each_optimizer_step(tmp_path_factory):
     assert torch.equal(moe.gate.e_score_correction_bias, expected)  # the update, and nothing from AdamW
     assert moe._moe_rewrite_load.sum() == 0
     handle.remove()
-    assert BiasUpdateCallback.__name__ == "BiasUpdateCallback"
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_bias_update_callback_in_a_trainer(tmp_path_factory, tmp_path, with_callback):
+    """transformers' Trainer with BiasUpdateCallback: after 3 optimizer steps every bias entry moved by a whole number
+    of updates (0.05 each, at most 3), the overloaded experts' down; without the callback it does not move (AdamW
+    leaves it: it gets no gradient)."""
+    from transformers import Trainer, TrainingArguments
+
+    from moe_rewrite.training import BiasUpdateCallback
+
+    model, moe = _skewed_bias_model(tmp_path_factory)
+    before = moe.gate.e_score_correction_bias.detach().clone()
+    ids = torch.randint(0, 256, (8, 12), generator=torch.Generator().manual_seed(21))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-4, report_to=[],
+        save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[BiasUpdateCallback()] if with_callback else [])
+    trainer.train()
+    steps = (moe.gate.e_score_correction_bias.detach() - before) / 0.05
+    if not with_callback:
+        assert torch.equal(steps, torch.zeros_like(steps))
+        return
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.round().abs().max() == 3  # one per step
+    assert (steps[:2] < 0).all()  # experts 0 and 1 took every token: their bias goes down
 
 
 def _rank_worker(rank, ckpt, out_dir):
