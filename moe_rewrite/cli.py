@@ -178,7 +178,7 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
             if len(specs) == 1:
                 raise
             message = str(e) if isinstance(e, RewriteError) else f"{e.filename or spec}: {e.strerror or e}"
-            _error(message, ["--token", token] if token else [])
+            _error(message, [token] if token else [])
             failed += 1
     return 2 if failed else changed
 
@@ -219,19 +219,21 @@ def _rewrite_file(
 
 
 def _secrets(argv: list[str]) -> list[str]:
-    """Tokens given on the command line or in the environment, which no message may show."""
-    found = [os.environ.get(name, "") for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+    """Tokens given on the command line, which no message may show."""
+    found = []
     for i, arg in enumerate(argv):
         if arg == "--token" and i + 1 < len(argv):
             found.append(argv[i + 1])
         elif arg.startswith("--token="):
             found.append(arg[len("--token=") :])
-    return [s for s in found if s]
+    return found
 
 
-def _error(message: str, argv: list[str]) -> int:
-    for secret in _secrets(argv):
-        message = message.replace(secret, "***")
+def _error(message: str, tokens: list[str]) -> int:
+    """Print the one error line, with `tokens` and those in the environment masked; returns exit code 2."""
+    for secret in [*tokens, *(os.environ.get(name, "") for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"))]:
+        if secret:
+            message = message.replace(secret, "***")
     line = " ".join(message.split())  # one line, whatever a library put in it
     click.echo(f"moe-rewrite: error: {line}", err=True)
     return 2
@@ -242,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:
-        return _error(str(e), args)
+        return _error(str(e), _secrets(args))
     except click.ClickException as e:
-        return _error(e.format_message(), args)
+        return _error(e.format_message(), _secrets(args))
     except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)
-        return _error(f"{e.filename or ''}: {e.strerror or e}; nothing was written", args)
+        return _error(f"{e.filename or ''}: {e.strerror or e}; nothing was written", _secrets(args))
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)
         return 1

@@ -166,7 +166,7 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
     for entry in sorted(source.root.iterdir()):
         if entry.name.startswith(".") or entry.name in files:
             continue
-        if is_code_or_config(entry.name) and (entry.exists() or not entry.is_symlink()) and not entry.is_file():
+        if is_code_or_config(entry.name) and entry.exists() and not entry.is_file():  # a FIFO would block
             raise RewriteError(f"{entry}: not a regular file")
         if code_only:
             if entry.is_file() and is_hub_code_file(entry.name):

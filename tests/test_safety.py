@@ -109,7 +109,7 @@ def test_tokens_never_show(checkpoint, tmp_path, monkeypatch, capsys):
     assert code == 2 and secret not in out + err and "--token" in err
     assert not (tmp_path / "o").exists()
     # whatever a library puts in an error message (a header echoed back, a URL), the token is masked
-    assert cli._error(f"Hub said: bad header 'Bearer {secret}'", ["--token", secret]) == 2
+    assert cli._error(f"Hub said: bad header 'Bearer {secret}'", cli._secrets(["--token", secret])) == 2
     monkeypatch.setenv("HF_TOKEN", "hf_fromTheEnvironment")
     assert cli._error("request with hf_fromTheEnvironment failed", []) == 2
     err = capsys.readouterr().err

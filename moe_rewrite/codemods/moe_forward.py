@@ -40,14 +40,13 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.gate import drop_training_guards
+from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.templates import render_block, render_moe_methods
 
 DESCRIPTION = "Gives the DeepSeek MoE class a grouped-GEMM training path (moe_train)."
 
-SELF_TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
 NOT_SELF_TRAINING = m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
 MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_infer")))
 MOE_TRAIN_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_train")))
