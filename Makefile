@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-# The CPU build of torch; any torch >= 2.4 works for the generated code.
+# The CPU build of torch; any torch >= 2.5 works for the generated code.
 TORCH ?= torch==2.13.0
 
 # transformers releases the compat tests run on, each in .venv-tf/RELEASE beside the main environment (whose
@@ -34,12 +34,16 @@ compat-envs: $(COMPAT_ENVS)
 	.venv-tf/$*/bin/python -m pip install -q --disable-pip-version-check "transformers==$*"
 	touch $@
 
+# ruff (pinned in the test extra) lints and checks the format of everything, templates/ included, before the tests.
 test: venv compat-envs
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check --no-cache .
 	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q
 
-# Regenerate the expected outputs in tests/pairs/ after an intended change to templates/ or the codemods.
+# Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to templates/ or the
+# codemods; review them with git diff.
 update-pairs: venv
-	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k fixture_pair
+	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options"
 
 clean:
 	rm -rf $(VENV) .venv-tf build dist *.egg-info .pytest_cache

@@ -27,9 +27,14 @@ CONFIGS = {
 ROUTING_SETS = 4  # rotate among several routings so no run measures one lucky load pattern
 
 
+CODE = ROOT  # the moe-rewrite checkout whose generated code is measured (--code)
+
+
 def rewrite_fixture(out: Path, *options: str) -> Path:
-    cmd = [sys.executable, "-m", "moe_rewrite", str(ROOT / "fixtures" / "deepseek_v3"), "--out", str(out), *options]
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+    """The V3 stand-in rewritten with --no-fuse-experts: its MoE layers start per-expert (the bracketed rows), and
+    moe_rewrite_fuse_experts() fuses them for the fused row, as from_pretrained does with the defaults."""
+    cmd = [sys.executable, "-m", "moe_rewrite", str(CODE / "fixtures" / "deepseek_v3"), "--out", str(out), *options]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": f"{CODE}:{os.environ.get('PYTHONPATH', '')}"})
     return out
 
 
@@ -42,11 +47,33 @@ def import_patched(directory: Path, name: str):
     import_utils.is_torch_fx_available = getattr(import_utils, "is_torch_fx_available", lambda: True)
     pytorch_utils.is_torch_greater_or_equal_than_1_13 = True
     pytorch_utils.ALL_LAYERNORM_LAYERS = getattr(pytorch_utils, "ALL_LAYERNORM_LAYERS", [])
-    package = importlib.util.spec_from_file_location(name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    package = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
+    )
     (directory / "__init__.py").touch()
     sys.modules[name] = importlib.util.module_from_spec(package)
     package.loader.exec_module(sys.modules[name])
-    return importlib.import_module(f"{name}.modeling_deepseek"), importlib.import_module(f"{name}.configuration_deepseek")
+    return importlib.import_module(f"{name}.modeling_deepseek"), importlib.import_module(
+        f"{name}.configuration_deepseek"
+    )
+
+
+def kernel_of(modeling, x):
+    kernel = modeling._moe_rewrite_kernel
+    try:
+        return kernel(x.device, x.dtype)
+    except AttributeError:  # the generated code before 0.3 took the activations
+        return kernel(x, x.dtype)
+
+
+def set_backend(modeling, backend):
+    """MOE_REWRITE_BACKEND for the next rows (None: the file's own); the generated code reads it once per process, so
+    its caches are emptied here, as a new process would start."""
+    os.environ.pop("MOE_REWRITE_BACKEND", None)
+    if backend is not None:
+        os.environ["MOE_REWRITE_BACKEND"] = backend
+    for cache in ("_moe_rewrite_kernels", "_moe_rewrite_settings"):
+        getattr(modeling, cache, {}).clear()
 
 
 def routings(cfg, device, seed):
@@ -86,12 +113,18 @@ def build_peer(cfg, moe):
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
     config = transformers.DeepseekV3Config(
-        hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], n_routed_experts=cfg["E"],
-        num_experts_per_tok=cfg["k"], hidden_act="silu",
+        hidden_size=cfg["H"],
+        moe_intermediate_size=cfg["I"],
+        n_routed_experts=cfg["E"],
+        num_experts_per_tok=cfg["k"],
+        hidden_act="silu",
     )
     config._experts_implementation = "grouped_mm"
-    classes = [c for n, c in vars(hf).items() if isinstance(c, type) and issubclass(c, torch.nn.Module)
-               and ("Experts" in n or "NaiveMoe" in n)]
+    classes = [
+        c
+        for n, c in vars(hf).items()
+        if isinstance(c, type) and issubclass(c, torch.nn.Module) and ("Experts" in n or "NaiveMoe" in n)
+    ]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -176,7 +209,10 @@ def run_impl(fn, data, moe, peer, warmup, reps):
 
 
 def matmul_tflops():
-    a, b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a, b = (
+        torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16),
+        torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16),
+    )
     for _ in range(3):
         a @ b
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -201,8 +237,12 @@ def check_empty_experts(module, kernels):
             torch.full((E, out, inp), float("nan"), device="cuda", dtype=torch.bfloat16)
         grad_w = module._moe_rewrite_gmm(kernel, a, b, offsets, "wgrad")
         empty = grad_w[counts == 0]
-        ref = torch.stack([a[s:e].float().t() @ b[s:e].float() for s, e in zip([0, 0, 10, 10, 10, 40, 40, 40], offsets.tolist())])
-        result[kernel] = bool(torch.count_nonzero(empty) == 0 and not torch.isnan(grad_w).any()) and rel(grad_w, ref) < 1e-2
+        ref = torch.stack(
+            [a[s:e].float().t() @ b[s:e].float() for s, e in zip([0, 0, 10, 10, 10, 40, 40, 40], offsets.tolist())]
+        )
+        result[kernel] = (
+            bool(torch.count_nonzero(empty) == 0 and not torch.isnan(grad_w).any()) and rel(grad_w, ref) < 1e-2
+        )
     return result
 
 
@@ -212,13 +252,19 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--profile", action="store_true", help="also write a kernel-time profile per config")
+    parser.add_argument("--code", default=str(ROOT), help="moe-rewrite checkout to measure (another commit's tree)")
+    parser.add_argument("--label", default="h200", help="name of the JSON written into --out")
     args = parser.parse_args()
+    global CODE
+    CODE = Path(args.code).resolve()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 
     work = Path(tempfile.mkdtemp())
-    modeling, configuration = import_patched(rewrite_fixture(work / "patched_bench"), "patched_bench")
+    modeling, configuration = import_patched(
+        rewrite_fixture(work / "patched_bench", "--no-fuse-experts"), "patched_bench"
+    )
     has_gg = modeling._moe_rewrite_grouped_gemm() is not None
     kernels = ["torch"] + (["grouped_gemm"] if has_gg else [])
     empty_ok = check_empty_experts(modeling, kernels)
@@ -231,8 +277,14 @@ def main():
         cfg = CONFIGS[name]
         torch.manual_seed(0)
         config = configuration.DeepseekV3Config(
-            hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], n_routed_experts=cfg["E"],
-            num_experts_per_tok=cfg["k"], n_shared_experts=None, n_group=1, topk_group=1, hidden_act="silu",
+            hidden_size=cfg["H"],
+            moe_intermediate_size=cfg["I"],
+            n_routed_experts=cfg["E"],
+            num_experts_per_tok=cfg["k"],
+            n_shared_experts=None,
+            n_group=1,
+            topk_group=1,
+            hidden_act="silu",
         )
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -243,23 +295,30 @@ def main():
         flops = 18 * cfg["N"] * cfg["k"] * cfg["H"] * cfg["I"]
         reps = args.reps if name != "v3" else max(3, args.reps // 4)
 
-        impls = [("naive-loop", lambda x, i, w: naive_loop(moe, x, i, w), {})]
-        impls.append(("moe-rewrite", lambda x, i, w: moe_rewrite(moe, x, i, w), {}))
-        impls.append(("moe-rewrite (again, for noise)", lambda x, i, w: moe_rewrite(moe, x, i, w), {}))
+        impls = [("naive-loop", lambda x, i, w, moe=moe: naive_loop(moe, x, i, w), {})]
+        impls.append(("moe-rewrite", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {}))
+        impls.append(("moe-rewrite (again, for noise)", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {}))
         for kernel in kernels:
             for stacking in ("stack", "sequential"):
-                impls.append((f"moe-rewrite[{kernel},{stacking}]", lambda x, i, w: moe_rewrite(moe, x, i, w),
-                              {"MOE_REWRITE_BACKEND": kernel, "stacking": stacking}))
-        impls.append(("moe-rewrite[torch,stack,flat-params]", lambda x, i, w: moe_rewrite(moe, x, i, w), {"flat": True}))
+                impls.append(
+                    (
+                        f"moe-rewrite[{kernel},{stacking}]",
+                        lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w),
+                        {"MOE_REWRITE_BACKEND": kernel, "stacking": stacking},
+                    )
+                )
+        impls.append(
+            ("moe-rewrite[torch,stack,flat-params]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {"flat": True})
+        )
         impls.append(("transformers-grouped_mm", None, {}))
-        impls.append(("moe-rewrite[fused]", lambda x, i, w: moe_rewrite(moe, x, i, w), {"fused": True}))
+        impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {"fused": True}))
 
         ref = None
         peer = None
         to_profile = []
         for impl, fn, env in impls:
             if env.get("fused"):  # last, as fusing is irreversible
-                os.environ.pop("MOE_REWRITE_BACKEND", None)
+                set_backend(modeling, None)
                 modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
                 for p in moe.parameters():  # undo flatten_experts: profile the default layout
                     p.data = p.data.clone()
@@ -271,10 +330,8 @@ def main():
             if impl == "transformers-grouped_mm":
                 peer, what = build_peer(cfg, moe)
                 notes.append(f"{name}: transformers-grouped_mm = {what}")
-                fn = lambda x, i, w: peer(x, i, w.to(x.dtype))  # noqa: E731
-            os.environ.pop("MOE_REWRITE_BACKEND", None)
-            if "MOE_REWRITE_BACKEND" in env:
-                os.environ["MOE_REWRITE_BACKEND"] = env["MOE_REWRITE_BACKEND"]
+                fn = lambda x, i, w, peer=peer: peer(x, i, w.to(x.dtype))  # noqa: E731
+            set_backend(modeling, env.get("MOE_REWRITE_BACKEND"))
             modeling.MOE_REWRITE_OPTIONS["stacking"] = env.get("stacking", "stack")
             if env.get("flat"):
                 flatten_experts(moe)
@@ -282,7 +339,7 @@ def main():
             t0 = time.time()
             ms, host_ms, peak, y, x = run_impl(fn, data, moe, peer, warm, r)
             if impl == "moe-rewrite":
-                notes.append(f"{name}: moe-rewrite default kernel = {modeling._moe_rewrite_kernel(x, x.dtype)}")
+                notes.append(f"{name}: moe-rewrite default kernel = {kernel_of(modeling, x)}")
             grads = grads_of(impl, moe, peer, x)
             if ref is None:
                 ref = [y] + grads
@@ -290,40 +347,59 @@ def main():
             else:
                 err = max(rel(a, b) for a, b in zip([y] + grads, ref))
             clear_grads(moe, peer, x)
-            row = dict(config=name, impl=impl, ms=round(ms, 3), host_ms=round(host_ms, 3), tflops=round(flops / (ms / 1e3) / 1e12, 1),
-                       frac_matmul=round(flops / (ms / 1e3) / 1e12 / rate, 3), peak_gb=round(peak, 2),
-                       max_rel_err=float(f"{err:.2e}"))
+            row = dict(
+                config=name,
+                impl=impl,
+                ms=round(ms, 3),
+                host_ms=round(host_ms, 3),
+                tflops=round(flops / (ms / 1e3) / 1e12, 1),
+                frac_matmul=round(flops / (ms / 1e3) / 1e12 / rate, 3),
+                peak_gb=round(peak, 2),
+                max_rel_err=float(f"{err:.2e}"),
+            )
             rows.append(row)
             print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
             if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm", "moe-rewrite[fused]"):
                 to_profile.append((impl, fn, peer))
-        os.environ.pop("MOE_REWRITE_BACKEND", None)
+        set_backend(modeling, None)
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
         for impl, fn, peer_ in to_profile:
             profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{impl}.txt")
-        os.environ.pop("MOE_REWRITE_BACKEND", None)
-        modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
         del moe, peer, ref, data
         torch.cuda.empty_cache()
 
-    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                  commit=os.environ.get("BENCH_COMMIT", "unknown"), command=" ".join(sys.argv),
-                  torch=torch.__version__, matmul_tflops=round(rate, 1), empty_expert_wgrad_ok=empty_ok,
-                  notes=notes, rows=rows)
-    (out_dir / "h200.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("BENCH_COMMIT", "unknown"),
+        command=" ".join(sys.argv),
+        torch=torch.__version__,
+        matmul_tflops=round(rate, 1),
+        empty_expert_wgrad_ok=empty_ok,
+        notes=notes,
+        rows=rows,
+    )
+    (out_dir / f"{args.label}.json").write_text(json.dumps(result, indent=1) + "\n")
     print()
     for n in notes:
         print(n)
-    print(f"\n{'config':10} {'impl':40} {'ms':>9} {'host ms':>8} {'TFLOP/s':>8} {'of mm':>6} {'peak GB':>8} {'rel err':>9} {'vs loop':>8} {'vs hf':>6}")
+    print(
+        f"\n{'config':10} {'impl':40} {'ms':>9} {'host ms':>8} {'TFLOP/s':>8} {'of mm':>6} {'peak GB':>8} "
+        f"{'rel err':>9} {'vs loop':>8} {'vs hf':>6}"
+    )
     for r in rows:
         loop = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "naive-loop")
         hf = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "transformers-grouped_mm")
-        print(f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['host_ms']:8.2f} {r['tflops']:8.1f} {r['frac_matmul']:6.2f} "
-              f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x {hf / r['ms']:5.2f}x")
+        print(
+            f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['host_ms']:8.2f} {r['tflops']:8.1f} "
+            f"{r['frac_matmul']:6.2f} "
+            f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x {hf / r['ms']:5.2f}x"
+        )
 
 
 def profile(fn, data, moe, peer, path):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     x, ids, w, g = data[0]
     for _ in range(2):

@@ -25,8 +25,14 @@ out.mkdir(parents=True, exist_ok=True)
 modeling, configuration = b.import_patched(b.rewrite_fixture(Path(tempfile.mkdtemp()) / "patched_cpu"), "patched_cpu")
 cfg = b.CONFIGS[sys.argv[1] if len(sys.argv) > 1 else "seed"]
 config = configuration.DeepseekV3Config(
-    hidden_size=cfg["H"], moe_intermediate_size=cfg["I"], n_routed_experts=cfg["E"], num_experts_per_tok=cfg["k"],
-    n_shared_experts=None, n_group=1, topk_group=1, hidden_act="silu",
+    hidden_size=cfg["H"],
+    moe_intermediate_size=cfg["I"],
+    n_routed_experts=cfg["E"],
+    num_experts_per_tok=cfg["k"],
+    n_shared_experts=None,
+    n_group=1,
+    topk_group=1,
+    hidden_act="silu",
 )
 torch.set_default_dtype(torch.bfloat16)
 with torch.device("cuda"):

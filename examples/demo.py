@@ -71,8 +71,10 @@ def main() -> None:
     say("4. training the patched checkpoint (AdamW, 5 steps, CPU)")
     model = AutoModelForCausalLM.from_pretrained(patched_dir, trust_remote_code=True).train()
     fused = [m for m in model.modules() if type(m).__name__ == "_MoeRewriteFusedExperts"]
-    print(f"   routed experts loaded fused: {len(fused)} MoE layer(s), 2 parameters each instead of "
-          f"{3 * len(fused[0]) if fused else 0}")
+    print(
+        f"   routed experts loaded fused: {len(fused)} MoE layer(s), 2 parameters each instead of "
+        f"{3 * len(fused[0]) if fused else 0}"
+    )
     # What save_pretrained writes: the checkpoint's own per-expert keys.
     expected, loaded = original.state_dict(), unfuse_state_dict(model)
     same = loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
@@ -85,7 +87,10 @@ def main() -> None:
         optim.zero_grad()
         print(f"   step {step}: loss {loss.item():.4f}")
     moe = model.model.layers[1].mlp
-    print(f"   MoE kernel used on this machine: {sys.modules[type(moe).__module__]._moe_rewrite_kernel(batch.float(), torch.float32)}")
+    print(
+        "   MoE kernel used on this machine: "
+        f"{sys.modules[type(moe).__module__]._moe_rewrite_kernel(batch.device, torch.float32)}"
+    )
     print(f"\nDone. Patched checkpoint: {patched_dir}")
 
 

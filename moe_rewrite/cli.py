@@ -24,7 +24,10 @@ NOT_MOE = "not a DeepSeek-family MoE file"
 def unified_diff(path: Path, old: str, new: str) -> str:
     return "".join(
         difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path.as_posix().lstrip('/')}", f"b/{path.as_posix().lstrip('/')}"
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            f"a/{path.as_posix().lstrip('/')}",
+            f"b/{path.as_posix().lstrip('/')}",
         )
     )
 
@@ -98,38 +101,97 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 @click.option("--diff", is_flag=True, help="Print a unified diff; write nothing; exit 1 when something would change.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of a Hub SOURCE.")
 @click.option("--token", help="Hub token for private or gated repos, and for pushes (default: the saved login).")
-@click.option("--include-weights", is_flag=True,
-              help="Hub SOURCE: download every file into the Hub cache and link weights and tokenizer into --out.")
+@click.option(
+    "--include-weights",
+    is_flag=True,
+    help="Hub SOURCE: download every file into the Hub cache and link weights and tokenizer into --out.",
+)
 @click.option("--push-to-hub", metavar="REPO_ID", help="Upload the patched code and config files to this Hub repo.")
 @click.option("--create-pr", is_flag=True, help="With --push-to-hub: open a pull request instead of committing.")
 @click.option("--commit-message", help="With --push-to-hub: the commit message (default: version and options).")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private when it does not exist.")
-@click.option("--push-revision", metavar="BRANCH",
-              help="With --push-to-hub: the branch to commit to, or the pull request's base (default: main).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND overrides it at run time).")
-@click.option("--stacking", type=click.Choice(STACKINGS), default="stack", show_default=True,
-              help="'stack' keeps stacked expert weights for backward (fastest, single process); 'sequential' stacks "
-                   "each right before its GEMM: lower peak memory.")
-@click.option("--aux-loss", is_flag=True,
-              help="V3 form: train the router with the complementary sequence-wise balance loss (aux_loss_alpha).")
-@click.option("--bias-update", type=float, metavar="RATE",
-              help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).")
-@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=True, show_default=True,
-              help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.")
-@click.option("--compat/--no-compat", default=True, show_default=True,
-              help="Guard the file's uses of transformers APIs that later releases removed, so it runs on 4.46 to 5.x.")
-@click.option("--fuse-experts/--no-fuse-experts", default=True, show_default=True,
-              help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
-                   "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
-                   "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).")
+@click.option(
+    "--push-revision",
+    metavar="BRANCH",
+    help="With --push-to-hub: the branch to commit to, or the pull request's base (default: main).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="auto",
+    show_default=True,
+    help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND overrides it at run time).",
+)
+@click.option(
+    "--stacking",
+    type=click.Choice(STACKINGS),
+    default="stack",
+    show_default=True,
+    help="'stack' keeps stacked expert weights for backward (fastest, single process); 'sequential' stacks "
+    "each right before its GEMM: lower peak memory.",
+)
+@click.option(
+    "--aux-loss",
+    is_flag=True,
+    help="V3 form: train the router with the complementary sequence-wise balance loss (aux_loss_alpha).",
+)
+@click.option(
+    "--bias-update",
+    type=float,
+    metavar="RATE",
+    help="V3 form: aux-loss-free balancing; the bias moves by RATE per optimizer step (see README).",
+)
+@click.option(
+    "--gradient-checkpointing/--no-gradient-checkpointing",
+    default=True,
+    show_default=True,
+    help="V3 form: make gradient_checkpointing_enable() checkpoint each decoder layer.",
+)
+@click.option(
+    "--compat/--no-compat",
+    default=True,
+    show_default=True,
+    help="Guard the file's uses of transformers APIs that later releases removed, so it runs on 4.46 to 5.x.",
+)
+@click.option(
+    "--fuse-experts/--no-fuse-experts",
+    default=True,
+    show_default=True,
+    help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
+    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
+    "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).",
+)
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
-@click.option("--skip-unrecognised", is_flag=True,
-              help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).")
+@click.option(
+    "--skip-unrecognised",
+    is_flag=True,
+    help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).",
+)
 @click.version_option(__version__, prog_name="moe-rewrite")
-def command(specs, out, in_place, check, diff, revision, token, backend, stacking, aux_loss, bias_update,
-            gradient_checkpointing, compat, fuse_experts, force, skip_unrecognised, include_weights, push_to_hub, create_pr,
-            commit_message, private, push_revision) -> int:
+def command(
+    specs,
+    out,
+    in_place,
+    check,
+    diff,
+    revision,
+    token,
+    backend,
+    stacking,
+    aux_loss,
+    bias_update,
+    gradient_checkpointing,
+    compat,
+    fuse_experts,
+    force,
+    skip_unrecognised,
+    include_weights,
+    push_to_hub,
+    create_pr,
+    commit_message,
+    private,
+    push_revision,
+) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
@@ -139,8 +201,15 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
         raise RewriteError("--force applies to --out DIR")
     if token is not None and (not token.isprintable() or any(c.isspace() for c in token)):
         raise RewriteError("--token: contains a space, line break or control character; pass the token alone")
-    _check_publishing(out, push_to_hub, include_weights, create_pr=create_pr, private=private,
-                      commit_message=commit_message, push_revision=push_revision)
+    _check_publishing(
+        out,
+        push_to_hub,
+        include_weights,
+        create_pr=create_pr,
+        private=private,
+        commit_message=commit_message,
+        push_revision=push_revision,
+    )
     options = RewriteOptions(
         backend=backend,
         stacking=stacking,
@@ -159,13 +228,17 @@ def command(specs, out, in_place, check, diff, revision, token, backend, stackin
             return 0
         if out is not None:
             publish.check_out_dir(out, src)
-        push = None if push_to_hub is None else publish.Push(
-            push_to_hub,
-            commit_message or publish.default_commit_message(options.describe()),
-            create_pr=create_pr,
-            private=private,
-            revision=push_revision,
-            token=token,
+        push = (
+            None
+            if push_to_hub is None
+            else publish.Push(
+                push_to_hub,
+                commit_message or publish.default_commit_message(options.describe()),
+                create_pr=create_pr,
+                private=private,
+                revision=push_revision,
+                token=token,
+            )
         )
         _publish(src, result, options, out, push, force)
         return 0
@@ -196,7 +269,14 @@ def _rewrite(src: sources.Source, options: RewriteOptions, skip_unrecognised: bo
 
 
 def _rewrite_file(
-    spec: str, options: RewriteOptions, revision, token, skip_unrecognised: bool, in_place: bool, check: bool, diff: bool
+    spec: str,
+    options: RewriteOptions,
+    revision,
+    token,
+    skip_unrecognised: bool,
+    in_place: bool,
+    check: bool,
+    diff: bool,
 ) -> int:
     """--in-place, --check or --diff for one SOURCE: 1 when it changed (or would), else 0."""
     src = sources.resolve(spec, revision, token)

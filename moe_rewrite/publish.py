@@ -175,7 +175,9 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
             files[entry.name] = entry.read_bytes()
         else:
             try:
-                links[entry.name] = entry.resolve(strict=True) if entry.is_symlink() and source.kind == "dir" else entry.absolute()
+                links[entry.name] = (
+                    entry.resolve(strict=True) if entry.is_symlink() and source.kind == "dir" else entry.absolute()
+                )
             except (OSError, RuntimeError):
                 raise RewriteError(f"{entry}: a link that leads nowhere (missing target or a loop)") from None
     for path in source.external:
@@ -218,7 +220,7 @@ def write_checkpoint(out: Path, checkpoint: Checkpoint) -> tuple[list[Path], lis
 
 
 def _local_ref(ref, key: str, files: dict[str, bytes], source: Source):
-    """"org/name--module.Cls" -> "module.Cls" when module.py is among the written files; other values as they are."""
+    """ "org/name--module.Cls" -> "module.Cls" when module.py is among the written files; other values as they are."""
     if not isinstance(ref, str) or "--" not in ref:
         return ref
     repo, module = split_class_ref(ref)

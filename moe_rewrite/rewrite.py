@@ -8,18 +8,15 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import checkpointing, compat, fused_experts, gate, init_weights, moe_forward
+from moe_rewrite.codemods import Context, block, checkpointing, compat, fused_experts, gate, init_weights, moe_forward
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
-from moe_rewrite.templates import (
-    CHECKPOINTING_TEMPLATE,
-    COMPAT_CACHE_TEMPLATE,
-    COMPAT_GENERATION_TEMPLATE,
-    COMPAT_ROPE_TEMPLATE,
-)
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
+# The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
+# moe_forward finds the MoE class the later ones read; block, last, puts in the code of every section asked for.
+CODEMODS = [compat, checkpointing, init_weights, moe_forward, gate, fused_experts, block]
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
 
@@ -33,9 +30,10 @@ class RewriteResult:
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
 
 
-def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> RewriteResult:
+def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
     """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot. Byte for byte
     outside the edits: a UTF-8 byte-order mark and the file's last line break stay as they were."""
+    options = options or RewriteOptions()
     bom = "\ufeff" if text.startswith("\ufeff") else ""
     body = text[len(bom) :]
     _check_syntax(body)
@@ -43,12 +41,14 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
     if sys.version_info >= (3, 11):  # libcst walks a long `a + b + ...` chain one frame per term
         sys.setrecursionlimit(max(limit, DEEP_RECURSION))
     try:
-        new_body, compat_changes, info = _rewrite(body, options)
+        new_body, context = _rewrite(body, options)
     except RecursionError:
         raise RewriteError("an expression is nested too deeply for moe-rewrite's parser") from None
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, StopIteration) as e:
         # a structure no matcher expected: still one line and exit 2, never a traceback
-        raise RewriteError(f"moe-rewrite cannot handle this file's structure ({type(e).__name__}: {e}); please report it") from None
+        raise RewriteError(
+            f"moe-rewrite cannot handle this file's structure ({type(e).__name__}: {e}); please report it"
+        ) from None
     finally:
         sys.setrecursionlimit(limit)
     ending = body[len(body.rstrip("\r\n")) :]  # libcst turns a final lone CR into LF
@@ -56,10 +56,10 @@ def rewrite_source(text: str, options: RewriteOptions = RewriteOptions()) -> Rew
     return RewriteResult(
         text=new_text,
         changed=new_text != text,
-        form=info.form,
-        moe_class=info.name,
-        gate_class=info.gate_class or "",
-        compat=compat_changes.describe(),
+        form=context.moe.form,
+        moe_class=context.moe.name,
+        gate_class=context.moe.gate_class or "",
+        compat=context.compat.describe(),
     )
 
 
@@ -79,28 +79,12 @@ def _check_syntax(text: str) -> None:
         raise RewriteError(f"cannot parse the file ({type(e).__name__})") from None
 
 
-def _rewrite(text: str, options: RewriteOptions) -> tuple[str, compat.CompatChanges, moe_forward.MoeClassInfo]:
+def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as e:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
-    module, compat_changes = compat.transform(module, options.compat)
-    module, checkpointed = checkpointing.transform(module, options.gradient_checkpointing)
-    module, guarded = init_weights.transform(module, guard=options.compat)
-    # The block's sections that these edits call.
-    sections = tuple(
-        name
-        for name, called in [
-            (COMPAT_CACHE_TEMPLATE, compat_changes.cache_calls),
-            (COMPAT_ROPE_TEMPLATE, compat_changes.rope_scaling_reads),
-            (COMPAT_GENERATION_TEMPLATE, compat_changes.position_ids),
-            (CHECKPOINTING_TEMPLATE, checkpointed),
-            (init_weights.TEMPLATE, guarded),
-        ]
-        if called
-    )
-    module, info = moe_forward.transform(module, options, sections)
-    if info.form == "v3":
-        module = gate.transform(module, info.gate_class)
-    module = fused_experts.transform(module, options)
-    return module.code, compat_changes, info
+    context = Context(options)
+    for codemod in CODEMODS:
+        module = codemod.transform(module, context)
+    return module.code, context

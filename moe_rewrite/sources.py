@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import stat
 import re
-from fnmatch import fnmatch
+import stat
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 from moe_rewrite.errors import RewriteError
@@ -177,4 +177,6 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
     except HfHubHTTPError as e:
         raise RewriteError(f"{at}: Hub request failed ({str(e).splitlines()[0]})") from None
     except (OSError, ValueError) as e:
-        raise RewriteError(f"{at}: cannot download from the Hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise RewriteError(
+            f"{at}: cannot download from the Hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None

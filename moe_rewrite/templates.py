@@ -1,61 +1,110 @@
-"""Load the generated code from templates/ and render it into CST nodes for the module being rewritten."""
+"""The generated code: templates/ holds it as real, importable Python, one file per section; this module renders a
+section into CST nodes for the file being rewritten.
+
+A section file is a module docstring (for people reading templates/), imports (so that the file imports, lints and
+tests on its own), then the code moe-rewrite copies: module-level statements go into the generated block in front of
+the MoE class, and the methods of a placeholder `class MoE:` / `class Model:` go into the file's MoE class / its
+PreTrainedModel subclass. The docstring, the imports and the placeholder classes themselves are not copied.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import libcst as cst
-from libcst.helpers import parse_template_module
+import libcst.matchers as m
 
 from moe_rewrite import __version__
 from moe_rewrite.options import RewriteOptions
 
-BLOCK_TEMPLATE = "moe_train_block.py"
-METHOD_TEMPLATE = "moe_train_method.py"
-AUX_LOSS_TEMPLATE = "aux_loss_block.py"
-BIAS_UPDATE_TEMPLATE = "bias_update_methods.py"
-CHECKPOINTING_TEMPLATE = "checkpointing_block.py"
-FUSED_EXPERTS_TEMPLATE = "fused_experts_block.py"
-COMPAT_CACHE_TEMPLATE = "compat_cache_helpers.py"
-COMPAT_ROPE_TEMPLATE = "compat_rope_scaling.py"
-COMPAT_GENERATION_TEMPLATE = "compat_generation.py"
-FUSED_EXPERTS_METHODS = "fused_experts_methods.py"
-PER_EXPERT_METHODS = "per_expert_methods.py"
-SAVE_PRETRAINED_METHOD = "save_pretrained_method.py"
-SAVE_CODE_TEMPLATE = "save_code_block.py"
+# Every section, in the order the generated block holds them: name -> what it does, in one sentence.
+SECTIONS = {
+    "grouped_gemm": "the grouped-GEMM core: expert MLPs as two grouped GEMMs over tokens sorted by expert (moe_train)",
+    "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
+    "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",
+    "fused_loading": "from_pretrained and from_config fuse every MoE layer's experts",
+    "per_expert": "the grouped-GEMM core over per-expert nn.Linear layers (--no-fuse-experts)",
+    "aux_loss": "the sequence-wise balance loss (--aux-loss)",
+    "bias_update": "aux-loss-free balancing, bias += RATE * sign(mean load - load) (--bias-update)",
+    "checkpointing": "gradient_checkpointing_enable() checkpoints the decoder layers",
+    "compat_cache": "Cache methods that later transformers releases removed",
+    "compat_rope_scaling": "config.rope_scaling as the file expects it on transformers 5.x",
+    "compat_generation": "generation position ids sliced as transformers 4.x passed them",
+    "init_weights": "_init_weights keeps loaded weights and rebuilds non-persistent buffers on transformers 5.x",
+}
+OPTIONS_NAME = "MOE_REWRITE_OPTIONS"  # grouped_gemm.py's options dict, filled with the rewrite's options
+PLACEHOLDERS = ("MoE", "Model")
 
 
-def _template_dir() -> Path:
+@dataclass(frozen=True)
+class Section:
+    statements: list[cst.BaseStatement]  # module-level, for the generated block
+    moe_methods: list[cst.FunctionDef]  # for the MoE class
+    model_methods: list[cst.FunctionDef]  # for the PreTrainedModel subclass
+
+
+def template_dir() -> Path:
     # Inside the wheel the templates live in the package; in a source checkout they are at the repository root.
-    packaged = Path(__file__).parent / "templates"
+    packaged = Path(__file__).parent / "runtime"
     return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
 
 
 @lru_cache(maxsize=None)
 def load_template(name: str) -> str:
-    return (_template_dir() / name).read_text(encoding="utf-8")
+    return (template_dir() / f"{name}.py").read_text(encoding="utf-8")
 
 
-def _render(name: str, module: cst.Module, **replacements: cst.BaseExpression) -> list[cst.BaseStatement]:
-    """Parse a template with the target module's newline and indentation, returning its statements.
+def _is_header(stmt: cst.BaseStatement) -> bool:
+    """The template's docstring and imports: there for the template as a module, not copied."""
+    return m.matches(stmt, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom() | m.Expr(m.SimpleString())]))
 
-    The comment block at the top of a template is for people reading templates/ and is dropped.
-    """
+
+def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
+    """A placeholder class's methods, each preceded by one blank line as methods are."""
+    return [
+        cst.ensure_type(method, cst.FunctionDef).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        for method in cls.body.body
+    ]
+
+
+def render_section(name: str, module: cst.Module, options: RewriteOptions | None = None) -> Section:
+    """Section `name` parsed with the target module's newline and indentation; with `options`, the options dict holds
+    them (the grouped_gemm section)."""
     text = load_template(name).replace("\n", module.default_newline)
-    parsed = parse_template_module(text, config=module.config_for_parsing, **replacements)
-    return list(parsed.body)
+    parsed = cst.parse_module(text, config=module.config_for_parsing)
+    statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
+    for stmt in parsed.body:
+        if _is_header(stmt):
+            continue
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value in PLACEHOLDERS:
+            methods[stmt.name.value] += _methods(stmt)
+            continue
+        if options is not None and m.matches(
+            stmt, m.SimpleStatementLine(body=[m.Assign([m.AssignTarget(m.Name(OPTIONS_NAME))])])
+        ):
+            assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
+            stmt = stmt.with_changes(body=[assign.with_changes(value=options_literal(options))])  # type: ignore[attr-defined]
+        statements.append(stmt)
+    if statements:  # the blank lines after the template's imports are not the code's
+        statements[0] = statements[0].with_changes(leading_lines=[])
+    return Section(statements, methods["MoE"], methods["Model"])
 
 
 def render_statements(name: str, module: cst.Module) -> list[cst.BaseStatement]:
-    """A template's statements, rendered for `module` (a template without placeholders)."""
-    return _render(name, module)
+    """A section's module-level statements, rendered for `module`."""
+    return render_section(name, module).statements
 
 
 def options_literal(options: RewriteOptions) -> cst.Dict:
     text = json.dumps(options.as_dict(__version__))
     return cst.ensure_type(cst.parse_expression(text), cst.Dict)
+
+
+def ordered(sections: set[str]) -> list[str]:
+    return [name for name in SECTIONS if name in sections]
 
 
 def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]:
@@ -64,44 +113,3 @@ def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]
         "# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.",
     ]
     return [cst.EmptyLine(), cst.EmptyLine()] + [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]
-
-
-def render_block(
-    module: cst.Module, moe_class: str, options: RewriteOptions, extra_sections: tuple[str, ...] = ()
-) -> list[cst.BaseStatement]:
-    """The module-level helper block (with the opt-in sections asked for, then `extra_sections`: templates that other
-    codemods' edits call), its first statement carrying the banner."""
-    body = _render(BLOCK_TEMPLATE, module, options=options_literal(options))
-    optional = [(options.aux_loss, AUX_LOSS_TEMPLATE), (True, SAVE_CODE_TEMPLATE), (options.fuse_experts, FUSED_EXPERTS_TEMPLATE)]
-    wanted = [name for on, name in optional if on]
-    for name in [*wanted, *extra_sections]:
-        section = _render(name, module)
-        # Two blank lines between top-level definitions, as in the rest of the block.
-        section[0] = section[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)
-        body += section
-    body[0] = body[0].with_changes(leading_lines=banner_lines(moe_class, options))
-    return body
-
-
-def render_model_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
-    """The PreTrainedModel subclass's save_pretrained, and the from_pretrained / _from_config / post_init that fuse
-    the routed experts (with --no-fuse-experts: the from_pretrained that refuses fused expert keys)."""
-    methods = _methods(SAVE_PRETRAINED_METHOD, module)
-    return methods + _methods(FUSED_EXPERTS_METHODS if options.fuse_experts else PER_EXPERT_METHODS, module)
-
-
-def _methods(name: str, module: cst.Module) -> list[cst.FunctionDef]:
-    """The methods of a template's placeholder class, each preceded by one blank line as methods are."""
-    (holder,) = _render(name, module)
-    return [
-        cst.ensure_type(method, cst.FunctionDef).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        for method in cst.ensure_type(holder, cst.ClassDef).body.body
-    ]
-
-
-def render_moe_methods(module: cst.Module, options: RewriteOptions) -> list[cst.FunctionDef]:
-    """`moe_train`, and the bias-update methods when asked for."""
-    methods = _methods(METHOD_TEMPLATE, module)
-    if options.bias_update is not None:
-        methods += _methods(BIAS_UPDATE_TEMPLATE, module)
-    return methods

@@ -1,5 +1,6 @@
-# Module-level helper of the compat rewrite (moe_rewrite/codemods/compat.py), added to the moe-rewrite block: the
-# file's reads of `config.rope_scaling` go through it.
+"""Module-level helper of the compat rewrite (moe_rewrite/codemods/compat.py), added to the moe-rewrite block: the
+file's reads of `config.rope_scaling` go through it.
+"""
 
 
 def _moe_rewrite_rope_scaling(config):

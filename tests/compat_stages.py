@@ -4,8 +4,9 @@
 
 Stages, each in order and each only if the one before it passed: import (AutoConfig and the dynamic module), load
 (`from_pretrained(trust_remote_code=True)`, float32; its buffers other than the router's correction bias, which
-the checkpoint holds, must equal those of a model built from the config), eval (a forward with the config's defaults, `use_cache=True`),
-generate (cached greedy `generate()`, which must equal a no-cache greedy decode), train (one training step with the
+the checkpoint holds, must equal those of a model built from the config), eval (a forward with the config's defaults,
+`use_cache=True`), generate (cached greedy `generate()`, which must equal a no-cache greedy decode), train (one
+training step with the
 config's defaults, `use_cache` included), save (save_pretrained into a new directory, which reloads with the same
 eval logits). A directory without `auto_map` in its config.json loads transformers' own
 class for its model_type (the native cross-check). OUT.pt gets, per directory, the stage results ("ok" or a one-line
@@ -67,7 +68,9 @@ def run(directory: Path) -> dict:
 
                     get_class_from_dynamic_module(config.auto_map["AutoModelForCausalLM"], directory)
             elif stage == "load":
-                model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, torch_dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(
+                    directory, trust_remote_code=remote, torch_dtype=torch.float32
+                )
                 result["class"] = f"{type(model).__module__}.{type(model).__name__}"
                 _check_buffers(model, AutoModelForCausalLM.from_config(config, trust_remote_code=remote))
             elif stage == "eval":
@@ -78,8 +81,12 @@ def run(directory: Path) -> dict:
                 prompt = torch.tensor(PROMPT)
                 with torch.no_grad():
                     cached = model.generate(
-                        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-                        min_new_tokens=NEW_TOKENS, pad_token_id=0,
+                        prompt,
+                        attention_mask=torch.ones_like(prompt),
+                        max_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                        min_new_tokens=NEW_TOKENS,
+                        pad_token_id=0,
                     )
                     reference = _greedy_without_cache(model, prompt, NEW_TOKENS)
                 result["generated"] = cached
@@ -99,7 +106,9 @@ def run(directory: Path) -> dict:
 
                 saved = Path(tempfile.mkdtemp(prefix=f"{directory.name}_saved_", dir=directory.parent))
                 model.save_pretrained(saved)
-                reloaded = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=remote, torch_dtype=torch.float32)
+                reloaded = AutoModelForCausalLM.from_pretrained(
+                    saved, trust_remote_code=remote, torch_dtype=torch.float32
+                )
                 with torch.no_grad():
                     logits = reloaded.eval()(input_ids=torch.tensor(PROMPT)).logits.float()
                 worst = (logits - result["logits"]).abs().max().item()

@@ -33,6 +33,32 @@ def _isolate_hf() -> None:
 _isolate_hf()
 
 
+def forget_runtime_settings() -> None:
+    """Make every loaded patched module read its environment variables and choose its kernel again (the generated
+    code does both once per process)."""
+    for module in list(sys.modules.values()):
+        for name in ("_moe_rewrite_kernels", "_moe_rewrite_settings"):
+            cache = getattr(module, "__dict__", {}).get(name)
+            if isinstance(cache, dict):
+                cache.clear()
+
+
+def runtime_env(monkeypatch, name: str, value: str | None) -> None:
+    """Set (None: unset) an environment variable that the generated code reads, as if the process started with it."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    forget_runtime_settings()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime_settings():
+    forget_runtime_settings()
+    yield
+    forget_runtime_settings()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_rng(request):
     """Every test draws from global RNGs seeded from its own id: fresh inputs per test, the same on every run, so a
@@ -104,6 +130,23 @@ def patched_checkpoint(tmp_path_factory, form: str, *options: str) -> Path:
     return out
 
 
+def per_expert_checkpoint(tmp_path_factory, form: str, *options: str):
+    """A stand-in rewritten with --no-fuse-experts: models load with the per-expert nn.Linear layers (the layout LoRA
+    needs), whose training path these tests check. test_fused.py fuses them, and loads default rewrites (fused)."""
+    return patched_checkpoint(tmp_path_factory, form, "--no-fuse-experts", *options)
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def form(request):
+    """The two published forms, each test once per form (module-scoped: its checkpoints are rewritten once)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory, form):
+    return per_expert_checkpoint(tmp_path_factory, form)
+
+
 def build_model(path: Path, seed: int = 0, **config_overrides):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -120,7 +163,10 @@ def per_expert_grads(grads: dict) -> dict:
         if name.endswith("experts.gate_up_proj"):
             prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
             for i in range(grad.shape[0]):
-                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = grad[i, :half], grad[i, half:]
+                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = (
+                    grad[i, :half],
+                    grad[i, half:],
+                )
         elif name.endswith("experts.down_proj"):
             prefix = name[: -len("down_proj")]
             out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
@@ -151,4 +197,6 @@ def run_ranks(worker, tmp_path: Path, *args, world: int = 2) -> None:
     import torch.multiprocessing
 
     init_file = str(tmp_path / "init")
-    torch.multiprocessing.spawn(_gloo_rank, args=(world, init_file, worker, (*args, str(tmp_path))), nprocs=world, join=True)
+    torch.multiprocessing.spawn(
+        _gloo_rank, args=(world, init_file, worker, (*args, str(tmp_path))), nprocs=world, join=True
+    )

@@ -69,113 +69,203 @@ def _after(anchor: str, line: str) -> tuple[str, str]:
 
 MUTATIONS = [
     # V2 form: around and inside the per-expert statements
-    Mutation("v2", "weights_scaled_before_repeat", "exact", (_before(V2_REPEAT, "            topk_weight = topk_weight * 0.5\n"),)),
-    Mutation("v2", "weights_scaled_before_loop", "exact", (_after(V2_BUFFER, "            topk_weight = topk_weight * 0.5\n"),)),
-    Mutation("v2", "weights_scaled_before_sum", "exact", (_after(V2_LOOP, "            topk_weight = topk_weight * 0.5\n"),)),
-    Mutation("v2", "tokens_scaled_before_repeat", "exact", (_before(V2_REPEAT, "            hidden_states = hidden_states * 1.5\n"),)),
-    Mutation("v2", "check_kept_before_loop", "exact", (_before(V2_LOOP, "            assert topk_weight.dim() == 2\n"),)),
+    Mutation(
+        "v2",
+        "weights_scaled_before_repeat",
+        "exact",
+        (_before(V2_REPEAT, "            topk_weight = topk_weight * 0.5\n"),),
+    ),
+    Mutation(
+        "v2",
+        "weights_scaled_before_loop",
+        "exact",
+        (_after(V2_BUFFER, "            topk_weight = topk_weight * 0.5\n"),),
+    ),
+    Mutation(
+        "v2", "weights_scaled_before_sum", "exact", (_after(V2_LOOP, "            topk_weight = topk_weight * 0.5\n"),)
+    ),
+    Mutation(
+        "v2",
+        "tokens_scaled_before_repeat",
+        "exact",
+        (_before(V2_REPEAT, "            hidden_states = hidden_states * 1.5\n"),),
+    ),
+    Mutation(
+        "v2", "check_kept_before_loop", "exact", (_before(V2_LOOP, "            assert topk_weight.dim() == 2\n"),)
+    ),
     Mutation("v2", "output_scaled_after_sum", "exact", (_after(V2_SUM, "            y = y * 2.0\n"),)),
     Mutation("v2", "zero_buffer", "exact", ((V2_BUFFER, "            y = torch.zeros_like(hidden_states)\n"),)),
     Mutation(
-        "v2", "sum_into_another_name", "exact",
-        ((V2_SUM, V2_SUM.replace("            y = (", "            out = (")), ("            y = y.to(hidden_states", "            y = out.to(hidden_states")),
-    ),
-    Mutation(
-        "v2", "names_changed", "exact",
+        "v2",
+        "sum_into_another_name",
+        "exact",
         (
-            (V2_FLAT, "        flat_ids = topk_idx.view(-1)\n"),
-            (V2_LOOP, "            for e, mlp in enumerate(self.experts):\n                y[flat_ids == e] = mlp(hidden_states[flat_ids == e])\n"),
+            (V2_SUM, V2_SUM.replace("            y = (", "            out = (")),
+            ("            y = y.to(hidden_states", "            y = out.to(hidden_states"),
         ),
     ),
     Mutation(
-        "v2", "reformatted_loop", "exact",
-        ((V2_LOOP, "            for (i, expert) in enumerate(self.experts):\n                y[(flat_topk_idx == i)] = expert(\n"
-                   "                    hidden_states[flat_topk_idx == i]  # routed to i\n                )\n"),),
+        "v2",
+        "names_changed",
+        "exact",
+        (
+            (V2_FLAT, "        flat_ids = topk_idx.view(-1)\n"),
+            (
+                V2_LOOP,
+                "            for e, mlp in enumerate(self.experts):\n                y[flat_ids == e] = mlp(hidden_states[flat_ids == e])\n",
+            ),
+        ),
     ),
     Mutation(
-        "v2", "output_scaled_before_sum", "refused",
+        "v2",
+        "reformatted_loop",
+        "exact",
+        (
+            (
+                V2_LOOP,
+                "            for (i, expert) in enumerate(self.experts):\n                y[(flat_topk_idx == i)] = expert(\n"
+                "                    hidden_states[flat_topk_idx == i]  # routed to i\n                )\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "v2",
+        "output_scaled_before_sum",
+        "refused",
         (_after(V2_LOOP, "            y = y * 2.0\n"),),
-        why='`y = y * 2.0` sits between the replaced per-expert statements',
+        why="`y = y * 2.0` sits between the replaced per-expert statements",
     ),
     Mutation(
-        "v2", "cast_before_sum", "refused",
+        "v2",
+        "cast_before_sum",
+        "refused",
         (_after(V2_LOOP, "            y = y.float()\n"),),
-        why='`y = y.float()` sits between',
+        why="`y = y.float()` sits between",
     ),
     Mutation(
-        "v2", "sum_split", "refused",
-        ((V2_SUM, "            y = y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)\n            y = y.sum(dim=1)\n"),),
-        why='expected one `y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)`',
+        "v2",
+        "sum_split",
+        "refused",
+        (
+            (
+                V2_SUM,
+                "            y = y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)\n            y = y.sum(dim=1)\n",
+            ),
+        ),
+        why="expected one `y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)`",
     ),
     Mutation(
-        "v2", "loop_body_scaled", "refused",
+        "v2",
+        "loop_body_scaled",
+        "refused",
         (("= expert(hidden_states[flat_topk_idx == i])\n", "= expert(hidden_states[flat_topk_idx == i]) * 2.0\n"),),
-        why='is not `for i, expert in enumerate(self.experts)',
+        why="is not `for i, expert in enumerate(self.experts)",
     ),
     Mutation(
-        "v2", "tokens_scaled_after_repeat", "refused",
+        "v2",
+        "tokens_scaled_after_repeat",
+        "refused",
         (_before(V2_BUFFER, "            hidden_states = hidden_states * 1.5\n"),),
-        why='`hidden_states = hidden_states * 1.5` sits between',
+        why="`hidden_states = hidden_states * 1.5` sits between",
     ),
     Mutation(
-        "v2", "ids_changed_in_branch", "refused",
+        "v2",
+        "ids_changed_in_branch",
+        "refused",
         (_before(V2_LOOP, "            topk_idx = topk_idx.flip(-1)\n"),),
-        why='`topk_idx` is assigned again',
+        why="`topk_idx` is assigned again",
     ),
     Mutation(
-        "v2", "flat_ids_other_order", "refused",
+        "v2",
+        "flat_ids_other_order",
+        "refused",
         ((V2_FLAT, "        flat_topk_idx = topk_idx.flip(-1).view(-1)\n"),),
-        why='should be assigned once, as `flat_topk_idx = topk_idx.view(-1)`',
+        why="should be assigned once, as `flat_topk_idx = topk_idx.view(-1)`",
     ),
     Mutation(
-        "v2", "repeated_tokens_read_after", "refused",
+        "v2",
+        "repeated_tokens_read_after",
+        "refused",
         (_before(V2_AFTER_IF, "        self.rows_seen = hidden_states.shape[0]\n"),),
-        why='`self.rows_seen = hidden_states.shape[0]` reads `hidden_states`',
+        why="`self.rows_seen = hidden_states.shape[0]` reads `hidden_states`",
     ),
     # ESFT form (one loop for training and eval under `if self.ep_size == 1:`, the sum after it)
     Mutation(
-        "esft", "weights_scaled_before_loop", "exact",
-        (_after(ESFT_BUFFER, "            topk_weight = topk_weight * 0.5\n"),), options=("--no-fuse-experts",),
+        "esft",
+        "weights_scaled_before_loop",
+        "exact",
+        (_after(ESFT_BUFFER, "            topk_weight = topk_weight * 0.5\n"),),
+        options=("--no-fuse-experts",),
     ),
     Mutation(
-        "esft", "output_scaled_after_sum", "exact", (_after(ESFT_SUM, "        y = y * 2.0\n"),), options=("--no-fuse-experts",)
+        "esft",
+        "output_scaled_after_sum",
+        "exact",
+        (_after(ESFT_SUM, "        y = y * 2.0\n"),),
+        options=("--no-fuse-experts",),
     ),
     Mutation(
-        "esft", "output_scaled_after_loop", "refused",
+        "esft",
+        "output_scaled_after_loop",
+        "refused",
         ((ESFT_LOOP, ESFT_LOOP.replace("        else:\n", "            y = y * 2.0\n        else:\n")),),
-        why="`y = y * 2.0` sits between", options=("--no-fuse-experts",),
+        why="`y = y * 2.0` sits between",
+        options=("--no-fuse-experts",),
     ),
     Mutation(
-        "esft", "statement_before_sum", "refused", (_before(ESFT_SUM, "        y = y.float()\n"),),
-        why="no weighted sum right after", options=("--no-fuse-experts",),
+        "esft",
+        "statement_before_sum",
+        "refused",
+        (_before(ESFT_SUM, "        y = y.float()\n"),),
+        why="no weighted sum right after",
+        options=("--no-fuse-experts",),
     ),
     # V3 form: the eval branch and the training guards
     Mutation("v3", "output_scaled_in_eval", "exact", (_after(V3_INFER, "            y = y * 2.0\n"),)),
-    Mutation("v3", "weights_scaled_in_eval", "exact", (_before(V3_INFER, "            topk_weight = topk_weight * 0.5\n"),)),
-    Mutation("v3", "renamed_result", "exact", ((V3_INFER, V3_INFER.replace("            y =", "            out =") + "            y = out\n"),)),
+    Mutation(
+        "v3", "weights_scaled_in_eval", "exact", (_before(V3_INFER, "            topk_weight = topk_weight * 0.5\n"),)
+    ),
+    Mutation(
+        "v3",
+        "renamed_result",
+        "exact",
+        ((V3_INFER, V3_INFER.replace("            y =", "            out =") + "            y = out\n"),),
+    ),
     Mutation("v3", "one_line_branch", "exact", ((V3_BRANCH, "        if not self.training: " + V3_INFER.lstrip()),)),
     Mutation("v3", "guard_is_false", "exact", ((V3_GUARD, "            assert self.training is False\n"),)),
-    Mutation("v3", "guard_equals_false", "exact", ((V3_GUARD, "            assert self.training == False  # noqa: E712\n"),)),
+    Mutation(
+        "v3", "guard_equals_false", "exact", ((V3_GUARD, "            assert self.training == False  # noqa: E712\n"),)
+    ),
     Mutation("v3", "guard_with_message", "exact", ((V3_GUARD, '            assert not self.training, "eval only"\n'),)),
     Mutation(
-        "v3", "guard_as_raise", "exact",
+        "v3",
+        "guard_as_raise",
+        "exact",
         ((V3_GUARD, '            if self.training:\n                raise NotImplementedError("eval only")\n'),),
     ),
-    Mutation("v3", "guard_in_moe_forward", "exact", ((V3_MOE_START, "        assert not self.training\n" + V3_MOE_START),)),
     Mutation(
-        "v3", "guard_unknown_spelling", "refused",
+        "v3", "guard_in_moe_forward", "exact", ((V3_MOE_START, "        assert not self.training\n" + V3_MOE_START),)
+    ),
+    Mutation(
+        "v3",
+        "guard_unknown_spelling",
+        "refused",
         ((V3_GUARD, "            assert self.training != True  # noqa: E712\n"),),
-        why='the check on `self.training != True`',
+        why="the check on `self.training != True`",
     ),
     Mutation(
-        "v3", "eval_branch_reads_training", "refused",
+        "v3",
+        "eval_branch_reads_training",
+        "refused",
         (_after(V3_INFER, "            y = y * (2.0 if self.training else 1.0)\n"),),
-        why='depends on training mode',
+        why="depends on training mode",
     ),
     Mutation(
-        "v3", "eval_under_no_grad", "refused",
+        "v3",
+        "eval_under_no_grad",
+        "refused",
         ((V3_INFER, "            with torch.no_grad():\n    " + V3_INFER),),
-        why='does not assign the result of self.moe_infer',
+        why="does not assign the result of self.moe_infer",
     ),
 ]
 

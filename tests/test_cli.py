@@ -13,11 +13,11 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, V3_DIR, assert_one_line_error, run_cli, snapshot, written_entries
 
-PAIRS = ROOT / "tests" / "pairs"
 from moe_rewrite import __version__, rewrite_source
+
+PAIRS = ROOT / "tests" / "pairs"
 
 MODELING = "modeling_deepseek.py"
 LINKED = ("model.safetensors", "model.safetensors.index.json", "tokenizer.json")
@@ -481,7 +481,11 @@ def run_module(*args, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **env_vars}
     return subprocess.run(
         [sys.executable, "-m", "moe_rewrite", *map(str, args)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -656,7 +660,8 @@ def _skip_not_utf8(t):
 
 @pytest.mark.parametrize("mode", ["--in-place", "--check", "--diff"])
 @pytest.mark.parametrize(
-    "case", [_skip_syntax_error, _skip_unrecognised_moe, _skip_missing, _skip_not_utf8],
+    "case",
+    [_skip_syntax_error, _skip_unrecognised_moe, _skip_missing, _skip_not_utf8],
     ids=lambda f: f.__name__.removeprefix("_skip_"),
 )
 def test_skip_unrecognised_other_errors_still_exit_2_for_that_file(tmp_path, case, mode):

@@ -8,10 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
+from goldens import generated_code, what_changed
 
 from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
 
 PAIRS = Path(__file__).parent / "pairs"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 INPUTS = sorted(PAIRS.glob("*.in.py"))
 
 
@@ -19,16 +21,80 @@ def _read(path: Path) -> str:
     return path.read_bytes().decode()
 
 
+def _golden(path: Path, text: str) -> None:
+    """`text` equals the file at `path`, byte for byte (`make update-pairs` rewrites it)."""
+    if os.environ.get("MOE_REWRITE_UPDATE_PAIRS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(text.encode())
+    assert text == _read(path), f"{path.name} differs (run `make update-pairs` after an intended change and review it)"
+
+
 @pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
 def test_fixture_pair(source: Path):
-    """input -> expected output, byte for byte (MOE_REWRITE_UPDATE_PAIRS=1 rewrites the expected files)."""
-    expected_path = source.with_name(source.name.replace(".in.py", ".out.py"))
+    """The snippet's diff: what the codemod changes, with the generated block and methods as placeholders."""
     result = rewrite_source(_read(source))
-    if os.environ.get("MOE_REWRITE_UPDATE_PAIRS"):
-        expected_path.write_bytes(result.text.encode())
     assert result.changed
-    assert result.text == _read(expected_path)
     ast.parse(result.text)
+    _golden(
+        source.with_name(source.name.replace(".in.py", ".diff")), what_changed(_read(source), result.text, source.name)
+    )
+
+
+# The stand-in fixtures (a whole modeling file each, with its PreTrainedModel subclass) under every option.
+OPTION_CASES = {
+    "defaults": (),
+    "no-fuse-experts": ("--no-fuse-experts",),
+    "aux-loss": ("--aux-loss",),
+    "bias-update": ("--bias-update", "0.001"),
+    "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
+    "no-compat": ("--no-compat",),
+    "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
+}
+FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
+    ("deepseek_v2", "defaults"),
+    ("deepseek_v2", "no-fuse-experts"),
+    ("deepseek_v2_esft", "no-fuse-experts"),
+]
+
+
+def _options(args: tuple[str, ...]) -> RewriteOptions:
+    values: dict = {}
+    flags = {
+        "--no-fuse-experts": "fuse_experts",
+        "--no-gradient-checkpointing": "gradient_checkpointing",
+        "--no-compat": "compat",
+    }
+    rest = list(args)
+    while rest:
+        flag = rest.pop(0)
+        if flag in flags:
+            values[flags[flag]] = False
+        elif flag == "--aux-loss":
+            values["aux_loss"] = True
+        elif flag == "--bias-update":
+            values["bias_update"] = float(rest.pop(0))
+        else:
+            values[flag.removeprefix("--")] = rest.pop(0)
+    return RewriteOptions(**values)
+
+
+@pytest.mark.parametrize(("fixture", "case"), FIXTURE_CASES, ids=[f"{f}-{c}" for f, c in FIXTURE_CASES])
+def test_fixture_under_options(fixture: str, case: str):
+    """What each option changes in a whole file (diff with placeholders), and the generated code itself: one golden per
+    option set of the block and methods the file gets (tests/pairs/blocks/)."""
+    source = FIXTURES / fixture / "modeling_deepseek.py"
+    text = _read(source)
+    result = rewrite_source(text, _options(OPTION_CASES[case]))
+    assert rewrite_source(result.text, _options(OPTION_CASES[case])).text == result.text
+    _golden(
+        PAIRS / "fixtures" / f"{fixture}-{case}.diff",
+        what_changed(text, result.text, f"{fixture}/modeling_deepseek.py"),
+    )
+    if (
+        case in ("defaults", "no-fuse-experts", "aux-loss", "bias-update", "no-compat")
+        and fixture != "deepseek_v2_esft"
+    ):
+        _golden(PAIRS / "blocks" / f"{fixture.removeprefix('deepseek_')}-{case}.py", generated_code(result.text))
 
 
 @pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
@@ -146,11 +212,15 @@ class M:
         ("def f(:\n", "syntax error at line 1"),
         (V3_MOE.format(branch="        y = self.moe_infer(h, ids, w)"), "expected one `if self.training:`"),
         (
-            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)\n        else:\n            y = h"),
+            V3_MOE.format(
+                branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)\n        else:\n            y = h"
+            ),
             "already has an else branch",
         ),
         (
-            V3_MOE.format(branch="        if self.training:\n            y = h\n        else:\n            y = self.moe_infer(h, ids, w)"),
+            V3_MOE.format(
+                branch="        if self.training:\n            y = h\n        else:\n            y = self.moe_infer(h, ids, w)"
+            ),
             "unrecognised structure (self.gate returns 2 values",
         ),
         (

@@ -20,7 +20,9 @@ from conftest import FORM_DIRS, ROOT, build_model, per_expert_grads, run_cli  # 
 
 STAGES = ("import", "load", "eval", "generate", "train", "save")
 # The releases `make test` builds environments for, and the one this suite runs in.
-RELEASES = sorted({*os.environ.get("MOE_REWRITE_COMPAT_RELEASES", "4.46.3 4.57.6 5.12.1 5.24.0").split(), transformers.__version__})
+RELEASES = sorted(
+    {*os.environ.get("MOE_REWRITE_COMPAT_RELEASES", "4.46.3 4.57.6 5.12.1 5.24.0").split(), transformers.__version__}
+)
 # Where the published files first fail on each release (measured on the real files: ../shared/TRANSFORMERS_COMPAT.md).
 PUBLISHED_FAILS = {
     "4.46": None,
@@ -55,8 +57,9 @@ def _python(release: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Per form: the stand-in as published, rewritten, rewritten with --no-compat or --no-fuse-experts, and `native` (its config without
-    auto_map, so transformers loads its own class for the model_type); all with the same weights (the router's
+    """Per form: the stand-in as published, rewritten, rewritten with --no-compat or --no-fuse-experts, and `native`
+    (its config without auto_map, so transformers loads its own class for the model_type); all with the same weights
+    (the router's
     correction bias drawn away from zero, so routing depends on it)."""
     base = tmp_path_factory.mktemp("compat")
     dirs = {}
@@ -102,7 +105,10 @@ def run_release(release: str, checkpoints, tmp_path_factory) -> dict:
         env = {**os.environ, "HF_MODULES_CACHE": str(out / "modules"), "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(
             [python, str(ROOT / "tests" / "compat_stages.py"), str(out / "results.pt"), *paths],
-            env=env, capture_output=True, text=True, timeout=600,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = torch.load(out / "results.pt", weights_only=False)
@@ -172,7 +178,9 @@ def _assert_same_numbers(ours: dict, theirs: dict, stages: dict, atol: float = A
 def test_same_numbers_as_the_file_without_compat(release, form, checkpoints, tmp_path_factory):
     """Where the published file or the --no-compat rewrite runs a stage, the default rewrite gives its numbers."""
     runs = run_release(release, checkpoints, tmp_path_factory)[form]
-    compared = sum(_assert_same_numbers(runs["rewritten"], runs[v], runs[v]["stages"]) for v in ("published", "nocompat"))
+    compared = sum(
+        _assert_same_numbers(runs["rewritten"], runs[v], runs[v]["stages"]) for v in ("published", "nocompat")
+    )
     minor = ".".join(release.split(".")[:2])
     if PUBLISHED_FAILS[minor] is None or PUBLISHED_FAILS[minor][0] not in ("import", "load", "eval"):
         assert compared >= 2  # at least eval on two files

@@ -4,8 +4,8 @@ a stand-in is refused, and the mask stand-in equals transformers' own function b
 from __future__ import annotations
 
 import pytest
-
 from conftest import V3_DIR, assert_one_line_error, run_cli
+
 from moe_rewrite import RewriteOptions, rewrite_source
 
 SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()
@@ -61,7 +61,10 @@ def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):
     text = SOURCE.replace(
         "from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask",
         "from transformers.modeling_attn_mask_utils import AttentionMaskConverter, _prepare_4d_causal_attention_mask",
-    ).replace("logger = logging.get_logger(__name__)", "CONVERTER = AttentionMaskConverter(is_causal=True)\nlogger = logging.get_logger(__name__)")
+    ).replace(
+        "logger = logging.get_logger(__name__)",
+        "CONVERTER = AttentionMaskConverter(is_causal=True)\nlogger = logging.get_logger(__name__)",
+    )
     path = tmp_path / "modeling_deepseek.py"
     path.write_text(text)
     assert_one_line_error(run_cli(path, "--check"), "AttentionMaskConverter", "--no-compat")
@@ -72,17 +75,18 @@ def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):
 def test_mask_stand_in_equals_transformers_bit_for_bit():
     torch = pytest.importorskip("torch")
     reference = pytest.importorskip("transformers.modeling_attn_mask_utils")._prepare_4d_causal_attention_mask
-    from moe_rewrite.templates import load_template
+    from templates.compat_causal_mask import _prepare_4d_causal_attention_mask as ours
 
-    namespace = {"torch": torch}
-    exec(compile(load_template("compat_causal_mask.py"), "compat_causal_mask.py", "exec"), namespace)
-    ours = namespace["_prepare_4d_causal_attention_mask"]
     gen = torch.Generator().manual_seed(0)
     checked = 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for batch, query, past in [(1, 1, 0), (2, 1, 5), (2, 7, 0), (3, 4, 6)]:
             embeds = torch.zeros(batch, query, 8, dtype=dtype)
-            masks = [None, (torch.rand(batch, query + past, generator=gen) > 0.3).long(), torch.ones(batch, query + past)]
+            masks = [
+                None,
+                (torch.rand(batch, query + past, generator=gen) > 0.3).long(),
+                torch.ones(batch, query + past),
+            ]
             masks.append((torch.rand(batch, 1, query, query + past, generator=gen) > 0.5).to(dtype))
             for mask in masks:
                 expected = reference(mask, (batch, query), embeds, past)
@@ -103,6 +107,8 @@ def test_names_still_in_transformers_are_imported_again_beside_the_stand_ins():
     assert "    from transformers.utils.import_utils import is_torch_available as torch_there\n" in out
     assert "    def is_torch_fx_available():" in out
     namespace: dict = {}
-    guarded = out[out.index("try:\n    from transformers.utils.import_utils"):]
-    exec(guarded[: guarded.index("from transformers.generation")], namespace)  # the guarded import runs (its try branch, here)
+    guarded = out[out.index("try:\n    from transformers.utils.import_utils") :]
+    exec(
+        guarded[: guarded.index("from transformers.generation")], namespace
+    )  # the guarded import runs (its try branch, here)
     assert namespace["is_torch_fx_available"]() is True and callable(namespace["torch_there"])

@@ -40,7 +40,9 @@ def models(tmp_path_factory):
     shutil.copy(base / "weights" / "model.safetensors", published / "model.safetensors")
     from transformers import AutoModelForCausalLM
 
-    return rewritten, lambda: AutoModelForCausalLM.from_pretrained(published, trust_remote_code=True, torch_dtype=torch.float32)
+    return rewritten, lambda: AutoModelForCausalLM.from_pretrained(
+        published, trust_remote_code=True, torch_dtype=torch.float32
+    )
 
 
 def _step(model, ids):
@@ -54,7 +56,9 @@ def test_training_and_eval_equal_the_published_loop(models):
     published = load_published()
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
-        torch.testing.assert_close(rewritten.eval()(input_ids=ids).logits, published.eval()(input_ids=ids).logits, rtol=0, atol=ATOL)
+        torch.testing.assert_close(
+            rewritten.eval()(input_ids=ids).logits, published.eval()(input_ids=ids).logits, rtol=0, atol=ATOL
+        )
     rewritten.zero_grad(set_to_none=True)
     loss, grads = _step(rewritten.train(), ids)
     own_loss, own_grads = _step(published.train(), ids)

@@ -11,18 +11,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import build_model, model_module, patched_checkpoint, run_ranks  # noqa: E402
-from test_training import (  # noqa: E402, F401 (form and patched are the per-form fixtures)
-    REL,
-    assert_matches_reference,
-    form,
-    fused_grads,
-    moe_layer,
-    patched,
+from conftest import (  # noqa: E402
+    build_model,
+    model_module,
+    patched_checkpoint,
     per_expert_checkpoint,
-    reference_moe,
-    rel_err,
+    run_ranks,
+    runtime_env,
 )
+from test_training import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
 
 from moe_rewrite.training import fuse_experts  # noqa: E402
 
@@ -68,7 +65,11 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
     from safetensors.torch import load_file
 
     reference = original.state_dict()
-    for where, args, kwargs in (("own", (), {}), ("passed", (), {"state_dict": state}), ("by-position", (True, state), {})):
+    for where, args, kwargs in (
+        ("own", (), {}),
+        ("passed", (), {"state_dict": state}),
+        ("by-position", (True, state), {}),
+    ):
         model.save_pretrained(tmp_path / where, *args, **kwargs)
         saved = load_file(tmp_path / where / "model.safetensors")
         assert saved.keys() == reference.keys()
@@ -90,7 +91,9 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
         fresh_moe = moe_layer(fresh)
         assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj)
         assert torch.equal(fresh_moe.experts.down_proj, moe.experts.down_proj)
-    fresh_moe.experts.load_state_dict({"gate_up_proj": moe.experts.gate_up_proj * 2, "down_proj": moe.experts.down_proj})
+    fresh_moe.experts.load_state_dict(
+        {"gate_up_proj": moe.experts.gate_up_proj * 2, "down_proj": moe.experts.down_proj}
+    )
     assert torch.equal(fresh_moe.experts.gate_up_proj, moe.experts.gate_up_proj * 2)
     # A checkpoint that lacks some experts is refused by a strict load, not left half loaded.
     incomplete = {k: v for k, v in reference.items() if ".experts.1." not in k}
@@ -156,9 +159,9 @@ def test_fused_experts_with_the_loop_and_autocast(tmp_path_factory, monkeypatch)
     ids = torch.stack([torch.randperm(moe.config.n_routed_experts)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
     expected = reference.moe_train(x, ids, w)
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
     assert rel_err(moe.moe_train(x, ids, w), expected) < REL
-    monkeypatch.delenv("MOE_REWRITE_BACKEND")
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, y_ref = moe.moe_train(x, ids, w), reference.moe_train(x, ids, w)
     assert y.dtype == torch.float32 and rel_err(y, y_ref) < 1e-2
@@ -232,7 +235,9 @@ def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path)
     for r in range(2):
         assert rel_err(results[r]["loss"], losses[r]) < REL
     expected = {
-        "gate_up_proj": torch.stack([torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe_layer(model).experts]),
+        "gate_up_proj": torch.stack(
+            [torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe_layer(model).experts]
+        ),
         "down_proj": torch.stack([e.down_proj.weight.grad for e in moe_layer(model).experts]),
     }
     for name, grad in expected.items():
@@ -245,9 +250,8 @@ def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path)
 
 def test_default_rewrite_loads_every_model_fused(tmp_path_factory, form, monkeypatch):
     """By default from_pretrained and from_config give fused experts, with the checkpoint's weights and keys."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import FORM_DIRS
+    from transformers import AutoModelForCausalLM
 
     out = patched_checkpoint(tmp_path_factory, form)
     original = build_model(FORM_DIRS[form], seed=6).eval()

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, V2_DIR, V3_DIR, assert_one_line_error, snapshot, written_entries
 
 MODELING = "modeling_deepseek.py"
@@ -105,7 +104,11 @@ def run_module(*args) -> tuple[int, str, str]:
     """`python -m moe_rewrite ARGS` in a fresh process: (exit code, stdout, stderr)."""
     proc = subprocess.run(
         [sys.executable, "-m", "moe_rewrite", *map(str, args)],
-        cwd=ROOT, env=hub_env(), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=hub_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -130,7 +133,11 @@ for line in sys.stdin:
 def cli(hub_cache):
     """run(*args) -> (exit code, stdout, stderr) of the command, in one worker process with the Hub environment."""
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER], cwd=ROOT, env=hub_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-c", WORKER],
+        cwd=ROOT,
+        env=hub_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
     )
 

@@ -1,7 +1,7 @@
 """Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py): each variant is either refused
 (exit 2, one line, nothing written) or rewritten, and then one training step gives the variant's own numbers, loss and
-every gradient: V2 and ESFT forms, their own per-expert loop; V3 form, its own eval branch run with gradients (its MoE layers in
-eval mode, moe_infer without its no_grad)."""
+every gradient: V2 and ESFT forms, their own per-expert loop; V3 form, its own eval branch run with gradients (its MoE
+layers in eval mode, moe_infer without its no_grad)."""
 
 from __future__ import annotations
 

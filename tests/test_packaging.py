@@ -24,8 +24,9 @@ def wheel(tmp_path_factory):
 
 def test_wheel_ships_templates_and_entry_point(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "moe_rewrite/templates/moe_train_block.py" in names
-    assert "moe_rewrite/templates/moe_train_method.py" in names
+    from moe_rewrite.templates import SECTIONS
+
+    assert {f"moe_rewrite/runtime/{name}.py" for name in SECTIONS} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "moe-rewrite = moe_rewrite.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -36,12 +37,20 @@ def test_installed_wheel_rewrites_outside_the_source_tree(wheel, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = tmp_path / "out"
     run = subprocess.run(
-        [sys.executable, "-m", "moe_rewrite", V3_DIR, "--out", out], cwd=tmp_path, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "moe_rewrite", V3_DIR, "--out", out],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr
     where = subprocess.run(
-        [sys.executable, "-c", "import moe_rewrite.templates as t; print(t._template_dir())"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", "import moe_rewrite.templates as t; print(t.template_dir())"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     assert where.startswith(str(target))
     assert "def moe_train(" in (out / "modeling_deepseek.py").read_text()

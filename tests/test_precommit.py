@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, V2_DIR, V3_DIR, snapshot
+
 from moe_rewrite import RewriteOptions, rewrite_source
 
 MODELING = "modeling_deepseek.py"
@@ -116,7 +116,11 @@ def files(path: Path) -> dict[str, bytes]:
 def pre_commit(cwd: Path, env: dict[str, str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pre_commit", *args, "--color", "never"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

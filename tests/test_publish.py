@@ -18,13 +18,13 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
-
 import hfapi_double
+import pytest
 from conftest import ROOT, V3_DIR, assert_one_line_error, model_module, run_cli, snapshot, written_entries
 from hfapi_double import TOKEN, RecordingHfApi
-from moe_rewrite import RewriteOptions, __version__, rewrite_source
 from test_hub import MODELING, add_snapshot, cache_state, set_ref
+
+from moe_rewrite import RewriteOptions, __version__, rewrite_source
 
 CONFIG = "configuration_deepseek.py"
 ELSEWHERE = "deepseek-ai/DeepSeek-V3"  # where a fine-tune's auto_map takes the code from
@@ -124,8 +124,16 @@ def test_push_create_pr_proposes_to_an_existing_repo(tmp_path, hub_api):
     src = local_checkpoint(tmp_path)
 
     code, stdout, err = run_cli(
-        src, "--push-to-hub", "deepseek-ai/DeepSeek-V3", "--create-pr", "--commit-message", "Make the MoE layers train",
-        "--push-revision", "dev", "--backend", "loop",
+        src,
+        "--push-to-hub",
+        "deepseek-ai/DeepSeek-V3",
+        "--create-pr",
+        "--commit-message",
+        "Make the MoE layers train",
+        "--push-revision",
+        "dev",
+        "--backend",
+        "loop",
     )
 
     assert code == 0, err
@@ -179,8 +187,16 @@ def test_push_with_out_uploads_exactly_the_files_out_writes(tmp_path, hub_api):
         ("create_commit", "revision_not_found", ["--push-revision", "dev"], ["me/x", "branch dev not found"]),
         ("create_commit", "server_echoes_token", [], ["me/x", "push failed", "***"]),
     ],
-    ids=["401-create-repo", "401-commit", "403", "403-pr", "repo-not-found", "gated", "branch-not-found",
-         "token-redacted"],
+    ids=[
+        "401-create-repo",
+        "401-commit",
+        "403",
+        "403-pr",
+        "repo-not-found",
+        "gated",
+        "branch-not-found",
+        "token-redacted",
+    ],
 )
 def test_push_errors_are_one_line_and_write_nothing(tmp_path, hub_api, method, error, options, mentions):
     src = local_checkpoint(tmp_path)
@@ -218,8 +234,18 @@ def _file_source(t: Path) -> Path:
         (["SRC", "--push-to-hub", "me/x", "--include-weights"], ["--include-weights", "--out"]),
         (["FILE", "--out", "OUT", "--include-weights"], ["--include-weights", MODELING]),
     ],
-    ids=["create-pr-alone", "private-alone", "push-revision-alone", "pr-and-private", "bad-repo-id", "in-place",
-         "check", "two-sources", "weights-without-out", "weights-for-a-file"],
+    ids=[
+        "create-pr-alone",
+        "private-alone",
+        "push-revision-alone",
+        "pr-and-private",
+        "bad-repo-id",
+        "in-place",
+        "check",
+        "two-sources",
+        "weights-without-out",
+        "weights-for-a-file",
+    ],
 )
 def test_publishing_option_errors(tmp_path, hub_api, args, mentions):
     src = local_checkpoint(tmp_path)
@@ -358,8 +384,12 @@ def hub(tmp_path_factory):
     _build_cache(cache)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(ROOT / "tests")], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", WORKER, str(ROOT / "tests")],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
     def run(*args, fail: dict | None = None):
@@ -386,7 +416,9 @@ def test_include_weights_links_weights_and_tokenizer_from_the_cache_snapshot(tmp
     assert code == 0, err
     assert stdout == ""
     assert "Traceback" not in err
-    assert sorted(p.name for p in written_entries(out) if not p.is_symlink()) == sorted(["config.json", CONFIG, MODELING])
+    assert sorted(p.name for p in written_entries(out) if not p.is_symlink()) == sorted(
+        ["config.json", CONFIG, MODELING]
+    )
     assert sorted(p.name for p in written_entries(out) if p.is_symlink()) == sorted(LINKED)
     for name in LINKED:
         assert os.readlink(out / name) == str(snap / name), name  # into the cache snapshot, not a copy
@@ -459,9 +491,8 @@ def test_checkpoint_round_trip_loads_and_trains(tmp_path, auto_map):
     weights, the patched code (also when config.json's auto_map named another repo), and it trains."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
     from conftest import build_model
+    from transformers import AutoModelForCausalLM
 
     original = build_model(V3_DIR, seed=3)
     original.register_for_auto_class("AutoModelForCausalLM")

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli, run_ranks  # noqa: E402
-from test_training import REL, moe_layer, rel_err  # noqa: E402
+from test_training import moe_layer, rel_err  # noqa: E402
 
 ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05")  # gradient checkpointing is on by default
 
@@ -120,7 +120,7 @@ def test_bias_update_counts_each_token_once_under_recomputation(tmp_path_factory
 
 
 def test_register_bias_update_runs_after_each_optimizer_step(tmp_path_factory):
-    from moe_rewrite.training import BiasUpdateCallback, register_bias_update
+    from moe_rewrite.training import register_bias_update
 
     model, moe = _skewed_bias_model(tmp_path_factory)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -149,10 +149,19 @@ def test_bias_update_callback_in_a_trainer(tmp_path_factory, tmp_path, with_call
     ids = torch.randint(0, 256, (8, 12), generator=torch.Generator().manual_seed(21))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-4, report_to=[],
-        save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-4,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[BiasUpdateCallback()] if with_callback else [])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[BiasUpdateCallback()] if with_callback else []
+    )
     trainer.train()
     steps = (moe.gate.e_score_correction_bias.detach() - before) / 0.05
     if not with_callback:
@@ -235,7 +244,9 @@ def test_options_regenerate_and_revert(tmp_path_factory):
     out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS, "--no-fuse-experts")
     patched = (out / "modeling_deepseek.py").read_text()
     assert "def moe_rewrite_update_bias(self):" in patched and "_moe_rewrite_checkpoint_layer(" in patched
-    assert "_moe_rewrite_fuse_model" not in patched and "rewritten with --no-fuse-experts" in patched  # its from_pretrained
+    assert (
+        "_moe_rewrite_fuse_model" not in patched and "rewritten with --no-fuse-experts" in patched
+    )  # its from_pretrained
     assert '"bias_update": 0.05' in patched
     assert "aux-loss, bias-update=0.05, no-fuse-experts" in patched
     code, _, err = run_cli(out / "modeling_deepseek.py", "--in-place")

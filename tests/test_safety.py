@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import V2_DIR, V3_DIR, assert_one_line_error, run_cli, snapshot
+
 from moe_rewrite import cli, publish, rewrite_source
 
 SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import FORM_DIRS, build_model, model_module, patched_checkpoint  # noqa: E402
+from conftest import FORM_DIRS, build_model, model_module, per_expert_checkpoint, runtime_env  # noqa: E402
 
 REL = 1e-5
 
@@ -19,22 +19,6 @@ REL = 1e-5
 def rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def per_expert_checkpoint(tmp_path_factory, form: str, *options: str):
-    """A stand-in rewritten with --no-fuse-experts: models load with the per-expert nn.Linear layers (the layout LoRA
-    needs), whose training path these tests check. test_fused.py fuses them, and loads default rewrites (fused)."""
-    return patched_checkpoint(tmp_path_factory, form, "--no-fuse-experts", *options)
-
-
-@pytest.fixture(scope="module", params=["v3", "v2"])
-def form(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def patched(tmp_path_factory, form):
-    return per_expert_checkpoint(tmp_path_factory, form)
 
 
 def moe_layer(model):
@@ -212,24 +196,24 @@ def test_backends_agree_and_env_var_overrides(tmp_path_factory, monkeypatch):
     w = torch.rand(6, 2)
     results = {}
     for backend in ("auto", "torch", "loop"):
-        monkeypatch.setenv("MOE_REWRITE_BACKEND", backend)
+        runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", backend)
         results[backend] = moe.moe_train(x, ids, w)
-    assert module._moe_rewrite_kernel(x, x.dtype) == "loop"
+    assert module._moe_rewrite_kernel(x.device, x.dtype) == "loop"
     assert rel_err(results["auto"], results["loop"]) < REL and rel_err(results["torch"], results["loop"]) < REL
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", "grouped_gemm")
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "grouped_gemm")
     with pytest.raises(RuntimeError, match="grouped_gemm package, CUDA and bfloat16"):
         moe.moe_train(x, ids, w)
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", "cutlass")
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
         moe.moe_train(x, ids, w)
-    monkeypatch.delenv("MOE_REWRITE_BACKEND")
-    assert module._moe_rewrite_kernel(x, x.dtype) == "sorted"  # CPU default under "auto"
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", None)
+    assert module._moe_rewrite_kernel(x.device, x.dtype) == "sorted"  # CPU default under "auto"
 
 
 def test_loop_backend_written_into_the_file_is_used(tmp_path_factory):
     moe = moe_layer(build_model(per_expert_checkpoint(tmp_path_factory, "v3", "--backend", "loop")))
     assert "MOE_REWRITE_BACKEND" not in os.environ
-    assert model_module(moe)._moe_rewrite_kernel(torch.randn(2, 2), torch.float32) == "loop"
+    assert model_module(moe)._moe_rewrite_kernel(torch.device("cpu"), torch.float32) == "loop"
 
 
 def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
@@ -246,9 +230,12 @@ def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
             offset += size
     names = [n for n, _ in experts[0].named_parameters()]
     assert names == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
-    gate_up = module._moe_rewrite_stack([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts], 2, torch.float32)
-    down = module._moe_rewrite_stack([e.down_proj.weight for e in experts], 1, torch.float32)
-    assert gate_up.data_ptr() == flat.data_ptr() and down.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    gate_up_w = [e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts]
+    gate_up = module._MoeRewriteExpertLinears(gate_up_w, 2).stacked(torch.float32)
+    down = module._MoeRewriteExpertLinears([e.down_proj.weight for e in experts], 1).stacked(torch.float32)
+    assert (
+        gate_up.data_ptr() == flat.data_ptr() and down.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    )
     for i, e in enumerate(experts):
         assert torch.equal(gate_up[i], torch.cat([e.gate_proj.weight, e.up_proj.weight]))
         assert torch.equal(down[i], e.down_proj.weight)
@@ -309,7 +296,7 @@ def test_direct_weight_gradients_equal_autograd_ones_and_accumulate(tmp_path_fac
     assert module._moe_rewrite_direct_grads(weights)
     results = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("MOE_REWRITE_DIRECT_GRADS", mode)
+        runtime_env(monkeypatch, "MOE_REWRITE_DIRECT_GRADS", mode)
         moe.zero_grad(set_to_none=True)
         for _ in range(2):  # two micro-batches: gradients accumulate
             (moe.moe_train(x, ids, w) * probe).sum().backward()
@@ -317,7 +304,7 @@ def test_direct_weight_gradients_equal_autograd_ones_and_accumulate(tmp_path_fac
     assert not module._moe_rewrite_direct_grads(weights)  # MOE_REWRITE_DIRECT_GRADS=0
     for direct, autograd in zip(results["1"], results["0"]):
         assert torch.equal(direct, autograd)
-    monkeypatch.delenv("MOE_REWRITE_DIRECT_GRADS")
+    runtime_env(monkeypatch, "MOE_REWRITE_DIRECT_GRADS", None)
     moe.zero_grad(set_to_none=True)
     (moe.moe_train(x, ids, w) * probe).sum().backward()
     for once, twice in zip(_expert_grads(moe), results["1"]):
@@ -396,7 +383,9 @@ def test_one_wrapped_expert_sends_the_layer_through_the_loop(tmp_path_factory):
     x = torch.randn(5, moe.config.hidden_size)
     ids = torch.tensor([[3, 0], [3, 1], [2, 3], [4, 5], [3, 7]])
     w = torch.rand(5, 2)
-    expected = torch.stack([sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(2)) for t in range(5)])
+    expected = torch.stack(
+        [sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(2)) for t in range(5)]
+    )
     assert rel_err(moe.moe_train(x, ids, w), expected) < REL
 
 
@@ -429,7 +418,7 @@ def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeyp
             offset += p.numel()
     if layout == "fused":
         moe.moe_rewrite_fuse_experts()
-    monkeypatch.setattr(model_module(moe), "_moe_rewrite_kernel", lambda x, dtype: "torch")
+    monkeypatch.setattr(model_module(moe), "_moe_rewrite_kernel", lambda device, dtype: "torch")
     n = 16
     x = torch.randn(n, moe.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     ids = torch.stack([torch.tensor([1, 6])[torch.randperm(2)] for _ in range(n)])  # experts 0, 2-5, 7 get nothing

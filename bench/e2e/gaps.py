@@ -27,7 +27,9 @@ def main() -> None:
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()]
     compute = [e for e in gpu if "nccl" not in e["name"].lower()]
     launches = {
-        e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
     frames = sorted((e for e in events if e.get("cat") == "python_function"), key=lambda e: e["ts"])
     frame_starts = [e["ts"] for e in frames]
@@ -68,8 +70,10 @@ def main() -> None:
         end = max(end, e["ts"] + e["dur"])
     span = end - compute[0]["ts"]
     busy = span - total
-    print(f"window {span / 1e3:.1f} ms: compute busy {busy / 1e3:.1f} ms, compute stream idle {total / 1e3:.1f} ms "
-          f"(waiting on NCCL {comm_wait / 1e3:.1f} ms, on the host {host_wait / 1e3:.1f} ms)")
+    print(
+        f"window {span / 1e3:.1f} ms: compute busy {busy / 1e3:.1f} ms, compute stream idle {total / 1e3:.1f} ms "
+        f"(waiting on NCCL {comm_wait / 1e3:.1f} ms, on the host {host_wait / 1e3:.1f} ms)"
+    )
     print("\nhost waits by the launching Python frames (innermost last):")
     for name, us in sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us / 1e3:8.2f} ms  {name}")

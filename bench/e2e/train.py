@@ -20,14 +20,36 @@ import torch
 import torch.distributed as dist
 
 MOONLIGHT = dict(
-    hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
-    n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=2.446, num_attention_heads=16,
-    num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-    v_head_dim=128, vocab_size=32000, first_k_dense_replace=1, max_position_embeddings=8192,
+    hidden_size=2048,
+    intermediate_size=11264,
+    moe_intermediate_size=1408,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.446,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    vocab_size=32000,
+    first_k_dense_replace=1,
+    max_position_embeddings=8192,
 )
 TINY = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-    n_shared_experts=1, vocab_size=256, first_k_dense_replace=1, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    vocab_size=256,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
 )
 
 
@@ -73,8 +95,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--no-grad-ckpt", action="store_true")
-    parser.add_argument("--sync-each-micro-batch", action="store_true",
-                        help="reduce-scatter gradients after every micro-batch, not only the last one")
+    parser.add_argument(
+        "--sync-each-micro-batch",
+        action="store_true",
+        help="reduce-scatter gradients after every micro-batch, not only the last one",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): a smoke test of this script")
     parser.add_argument("--cpu", action="store_true", help="run on CPU with gloo (smoke tests; FSDP2 only)")
     parser.add_argument("--adamw", choices=["fused", "foreach"], default="fused", help="AdamW implementation (both)")
@@ -120,8 +145,13 @@ def main() -> None:
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-        model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device if cuda else None,
-                     forward_prefetch=args.forward_prefetch)
+        model = FSDP(
+            model,
+            auto_wrap_policy=policy,
+            use_orig_params=True,
+            device_id=device if cuda else None,
+            forward_prefetch=args.forward_prefetch,
+        )
     fused_adamw = args.adamw == "fused" and cuda
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused_adamw, foreach=not fused_adamw
@@ -139,7 +169,8 @@ def main() -> None:
         if args.profile and rank == 0 and step == args.steps - 2:
             profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                record_shapes=False, with_stack=bool(args.trace),
+                record_shapes=False,
+                with_stack=bool(args.trace),
             )
             profiler.__enter__()
         if cuda:
@@ -180,10 +211,19 @@ def main() -> None:
     if rank == 0:
         tokens = args.micro_batch * args.seq * args.accum
         row = dict(
-            impl=args.impl, fsdp=args.fsdp, step_s=round(step_s, 4), tokens_per_s_per_gpu=round(tokens / step_s, 1),
-            peak_gb=round(peak.item(), 2), losses=[round(v, 6) for v in losses], world_size=world,
-            gradient_checkpointing=grad_ckpt, fused_experts=fused, layers=config.num_hidden_layers, accum=args.accum,
-            sync_each_micro_batch=args.sync_each_micro_batch, forward_prefetch=args.forward_prefetch,
+            impl=args.impl,
+            fsdp=args.fsdp,
+            step_s=round(step_s, 4),
+            tokens_per_s_per_gpu=round(tokens / step_s, 1),
+            peak_gb=round(peak.item(), 2),
+            losses=[round(v, 6) for v in losses],
+            world_size=world,
+            gradient_checkpointing=grad_ckpt,
+            fused_experts=fused,
+            layers=config.num_hidden_layers,
+            accum=args.accum,
+            sync_each_micro_batch=args.sync_each_micro_batch,
+            forward_prefetch=args.forward_prefetch,
             step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:

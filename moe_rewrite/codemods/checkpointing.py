@@ -29,9 +29,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite.codemods import Context
 from moe_rewrite.errors import RewriteError
-
-DESCRIPTION = "Lets gradient_checkpointing_enable() checkpoint each decoder layer."
 
 CHECKPOINTING_ON = m.BooleanOperation(
     left=m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing")),
@@ -45,15 +44,19 @@ NOTE = "# moe-rewrite: no KV cache under gradient checkpointing (a recomputed la
 
 
 def _is_our_use_cache_guard(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.If) and m.matches(stmt.test, CHECKPOINTING_ON) and any(
-        line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines
+    return (
+        isinstance(stmt, cst.If)
+        and m.matches(stmt.test, CHECKPOINTING_ON)
+        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
     )
 
 
 def _layer_loops(forward: cst.FunctionDef) -> list[cst.For]:
     return [
         cst.ensure_type(loop, cst.For)
-        for loop in m.findall(forward, m.For(target=m.Name(), iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers"))))
+        for loop in m.findall(
+            forward, m.For(target=m.Name(), iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers")))
+        )
     ]
 
 
@@ -71,7 +74,10 @@ def _checkpointed(loop: cst.For, index: int, config: cst.PartialParserConfig) ->
     code = cst.Module(body=[]).code_for_node
     # One argument a line, as black writes a call that does not fit on one.
     args = ["self._gradient_checkpointing_func", code(call.func)]
-    args += [code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))) for a in call.args]
+    args += [
+        code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace("")))
+        for a in call.args
+    ]
     targets = "".join(code(t) for t in assign.targets)
     text = targets + "_moe_rewrite_checkpoint_layer(\n" + "".join(f"    {a},\n" for a in args) + ")\n"
     checkpointed = cst.parse_statement(text, config=config)
@@ -100,13 +106,17 @@ class _Checkpointing(cst.CSTTransformer):
         if self.enabled and not any(m.matches(s, MENTIONS_CHECKPOINTING) for s in body):
             index = _layer_call_index(updated_node)
             if index is None:
-                raise RewriteError("the decoder loop has no single `layer_outputs = decoder_layer(...)` call to checkpoint")
+                raise RewriteError(
+                    "the decoder loop has no single `layer_outputs = decoder_layer(...)` call to checkpoint"
+                )
             body[index] = _checkpointed(updated_node, index, self.config)
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
 
 def _use_cache_guard() -> cst.If:
-    guard = cst.ensure_type(cst.parse_statement("if self.gradient_checkpointing and self.training:\n    use_cache = False\n"), cst.If)
+    guard = cst.ensure_type(
+        cst.parse_statement("if self.gradient_checkpointing and self.training:\n    use_cache = False\n"), cst.If
+    )
     return guard.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(NOTE))])
 
 
@@ -134,8 +144,9 @@ def _layer_loops_in(node: cst.CSTNode) -> bool:
     return bool(m.findall(node, m.For(iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers")))))
 
 
-def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, bool]:
-    """The module with the checkpointing branch added (enabled) or removed, and whether the generated helper is called."""
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with the checkpointing branch added (--gradient-checkpointing, the default) or removed."""
+    enabled = context.options.gradient_checkpointing
     forwards = [
         fn
         for cls in module.body
@@ -146,5 +157,9 @@ def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, bool]:
     # A file without a decoder loop (a bare MoE module) has nothing to checkpoint: on by default, so not an error.
     for forward in forwards:
         if not _natively_checkpointed(forward):  # the V2 form checkpoints already
-            module = cst.ensure_type(module.deep_replace(forward, _rewrite_forward(forward, enabled, module.config_for_parsing)), cst.Module)
-    return module, bool(m.findall(module, OUR_CALL))
+            module = cst.ensure_type(
+                module.deep_replace(forward, _rewrite_forward(forward, enabled, module.config_for_parsing)), cst.Module
+            )
+    if m.findall(module, OUR_CALL):
+        context.sections.add("checkpointing")
+    return module

@@ -25,11 +25,12 @@ below keeps the old behaviour where the old API still exists and answers with th
     scaling_type = _moe_rewrite_rope_scaling(self.config)["type"]
     position_ids = _moe_rewrite_generation_position_ids(kwargs.get("position_ids", None), input_ids)
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
-        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for transformers 5.x
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for 5.x
 
-The cache helpers are in templates/compat_cache_helpers.py, the rope_scaling reader in templates/compat_rope_scaling.py,
-the import fallbacks in the other templates/compat_*.py. A name that is gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
---no-compat gives the file's coupling back as published and a second run changes nothing.
+The cache helpers are in templates/compat_cache.py, the rope_scaling reader in templates/compat_rope_scaling.py,
+the import fallbacks in the other templates/compat_*.py. A name that is gone, used by the file and has no fallback here
+is refused. Every run first undoes these edits, so a run with --no-compat gives the file's coupling back as published
+and a second run changes nothing.
 """
 
 from __future__ import annotations
@@ -39,15 +40,14 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite.codemods import MARK, Context
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.templates import render_statements
 
-DESCRIPTION = "Guards imports and Cache calls that later transformers releases removed; adds GenerationMixin."
-
 # (module, name) -> the template defining the name where the import fails.
 FALLBACKS = {
-    ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available.py",
-    ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask.py",
+    ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask",
 }
 GONE_MODULES = {"transformers.modeling_attn_mask_utils": "5.x"}  # the whole module
 GONE_NAMES = {("transformers.utils.import_utils", "is_torch_fx_available"): "5.0"}
@@ -64,18 +64,27 @@ ROPE_SCALING_HELPER = "_moe_rewrite_rope_scaling"  # `config.rope_scaling` -> `_
 POSITION_IDS_HELPER = "_moe_rewrite_generation_position_ids"
 POSITION_IDS_GET = m.Call(
     func=m.Attribute(value=m.Name("kwargs"), attr=m.Name("get")),
-    args=[m.Arg(m.SimpleString('"position_ids"') | m.SimpleString("'position_ids'")), m.ZeroOrOne(m.Arg(m.Name("None")))],
+    args=[
+        m.Arg(m.SimpleString('"position_ids"') | m.SimpleString("'position_ids'")),
+        m.ZeroOrOne(m.Arg(m.Name("None"))),
+    ],
 )
 HELPERS = {helper: method for method, helper in CACHE_METHODS.items()}
 
-MARK = "# moe-rewrite:"
-MIXIN_IMPORT = "from transformers.generation import GenerationMixin  # moe-rewrite: generate() needs it since transformers 4.50\n"
+MIXIN_IMPORT = (
+    "from transformers.generation import GenerationMixin  # moe-rewrite: generate() needs it since transformers 4.50\n"
+)
 SELF_OR_SUPER = m.Name("self") | m.Call(func=m.Name("super"))
 
 
 TIED_NOTE = "# moe-rewrite: {tied: source} for transformers 5.x"
 TIED_LIST = m.SimpleStatementLine(
-    body=[m.Assign(targets=[m.AssignTarget(target=m.Name("_tied_weights_keys"))], value=m.List(elements=[m.Element(m.SimpleString())]))]
+    body=[
+        m.Assign(
+            targets=[m.AssignTarget(target=m.Name("_tied_weights_keys"))],
+            value=m.List(elements=[m.Element(m.SimpleString())]),
+        )
+    ]
 )
 TIED_OURS = m.SimpleStatementLine(
     body=[m.Assign(targets=[m.AssignTarget(target=m.Name("_tied_weights_keys"))], value=m.Dict())],
@@ -123,7 +132,9 @@ def _is_our_guard(stmt: cst.CSTNode) -> bool:
 
 def _is_our_mixin_import(stmt: cst.CSTNode) -> bool:
     return (
-        m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom(names=[m.ImportAlias(name=m.Name("GenerationMixin"))])]))
+        m.matches(
+            stmt, m.SimpleStatementLine(body=[m.ImportFrom(names=[m.ImportAlias(name=m.Name("GenerationMixin"))])])
+        )
         and stmt.trailing_whitespace.comment is not None  # type: ignore[attr-defined]
         and stmt.trailing_whitespace.comment.value.startswith(MARK)  # type: ignore[attr-defined]
     )
@@ -138,7 +149,11 @@ class _Undo(cst.CSTTransformer):
         if not m.matches(updated_node, TIED_OURS):
             return updated_node
         assign = cst.ensure_type(updated_node.body[0], cst.Assign)
-        keys = [cst.Element(e.key) for e in cst.ensure_type(assign.value, cst.Dict).elements if isinstance(e, cst.DictElement)]
+        keys = [
+            cst.Element(e.key)
+            for e in cst.ensure_type(assign.value, cst.Dict).elements
+            if isinstance(e, cst.DictElement)
+        ]
         return updated_node.with_changes(
             body=[assign.with_changes(value=cst.List(elements=keys))],
             trailing_whitespace=cst.TrailingWhitespace(),
@@ -210,7 +225,9 @@ def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Modu
             changes.imports.append(bound)
         elif since is None:  # still there: imported on its own, beside the stand-ins
             alias = f" as {bound}" if bound != imported else ""
-            fallback.append(cst.parse_statement(f"from {source} import {imported}{alias}\n", config=module.config_for_parsing))
+            fallback.append(
+                cst.parse_statement(f"from {source} import {imported}{alias}\n", config=module.config_for_parsing)
+            )
         elif _uses(module, bound) > 1:  # more than the import itself
             raise RewriteError(
                 f"compat: `{imported}` from {source} is gone in transformers {since} and the file uses it; "
@@ -219,10 +236,13 @@ def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Modu
     if not fallback:  # nothing the file uses: keep the import importable by binding nothing else
         fallback = [cst.SimpleStatementLine(body=[cst.Pass()])]
     since = next(filter(None, (_gone_since(source, imported) for imported, _ in _bound_names(node))))
-    comment = f"{MARK} gone in transformers {since}; defined here as 4.x had it"
+    comment = f"{MARK}: gone in transformers {since}; defined here as 4.x had it"
     handler = cst.ExceptHandler(
         type=cst.Name("ImportError"),
-        body=cst.IndentedBlock(body=fallback, header=cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment))),
+        body=cst.IndentedBlock(
+            body=fallback,
+            header=cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(comment)),
+        ),
     )
     return cst.Try(
         body=cst.IndentedBlock(body=[stmt.with_changes(leading_lines=[])]),
@@ -253,7 +273,11 @@ class _CacheCalls(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         func = updated_node.func
-        if not isinstance(func, cst.Attribute) or func.attr.value not in CACHE_METHODS or m.matches(func.value, SELF_OR_SUPER):
+        if (
+            not isinstance(func, cst.Attribute)
+            or func.attr.value not in CACHE_METHODS
+            or m.matches(func.value, SELF_OR_SUPER)
+        ):
             return updated_node
         self.count += 1
         args = [cst.Arg(func.value), *updated_node.args]
@@ -285,12 +309,16 @@ def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Mod
         if isinstance(s, cst.ClassDef)
         and s.bases
         and any(m.matches(f, m.FunctionDef(name=m.Name("prepare_inputs_for_generation"))) for f in s.body.body)
-        and not any(m.matches(b.value, m.Name("GenerationMixin") | m.Attribute(attr=m.Name("GenerationMixin"))) for b in s.bases)
+        and not any(
+            m.matches(b.value, m.Name("GenerationMixin") | m.Attribute(attr=m.Name("GenerationMixin"))) for b in s.bases
+        )
     }
     if not generating:
         return module
     if _uses(module, "GenerationMixin"):
-        raise RewriteError("compat: the file names GenerationMixin already, but not as a base of its generating classes")
+        raise RewriteError(
+            "compat: the file names GenerationMixin already, but not as a base of its generating classes"
+        )
     body: list[cst.BaseStatement] = []
     last_import = max(i for i, s in enumerate(module.body) if _imports_transformers(s))
     for i, stmt in enumerate(module.body):
@@ -302,7 +330,11 @@ def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Mod
             changes.generation_mixin.append(stmt.name.value)
         body.append(stmt)
         if i == last_import:
-            body.append(cst.parse_statement(MIXIN_IMPORT.replace("\n", module.default_newline), config=module.config_for_parsing))
+            body.append(
+                cst.parse_statement(
+                    MIXIN_IMPORT.replace("\n", module.default_newline), config=module.config_for_parsing
+                )
+            )
     return module.with_changes(body=body)
 
 
@@ -335,14 +367,19 @@ def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module
             source = _embedding_path(cls)
             if source is None:
                 raise RewriteError(
-                    f"compat: {cls.name.value}._tied_weights_keys is a list, which transformers 5.x cannot read, and its "
+                    f"compat: {cls.name.value}._tied_weights_keys is a list, which transformers 5.x cannot read, "
+                    "and its "
                     "get_input_embeddings() does not say which weight it is tied to; rerun with --no-compat"
                 )
             assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
             elements = cst.ensure_type(assign.value, cst.List).elements
-            entries = ", ".join(f"{cst.Module(body=[]).code_for_node(e.value)}: \"{source}.weight\"" for e in elements)
-            new = cst.parse_statement(f"_tied_weights_keys = {{{entries}}}  {TIED_NOTE}\n", config=module.config_for_parsing)
-            module = cst.ensure_type(module.deep_replace(stmt, new.with_changes(leading_lines=stmt.leading_lines)), cst.Module)
+            entries = ", ".join(f'{cst.Module(body=[]).code_for_node(e.value)}: "{source}.weight"' for e in elements)
+            new = cst.parse_statement(
+                f"_tied_weights_keys = {{{entries}}}  {TIED_NOTE}\n", config=module.config_for_parsing
+            )
+            module = cst.ensure_type(
+                module.deep_replace(stmt, new.with_changes(leading_lines=stmt.leading_lines)), cst.Module
+            )
             changes.tied_keys.append(cls.name.value)
     return module
 
@@ -366,7 +403,11 @@ def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -
                     stmt,
                     POSITION_IDS_GET,
                     lambda node, _: cst.Call(
-                        func=cst.Name(POSITION_IDS_HELPER), args=[cst.Arg(node, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), cst.Arg(cst.Name("input_ids"))]  # type: ignore[arg-type]
+                        func=cst.Name(POSITION_IDS_HELPER),
+                        args=[
+                            cst.Arg(node, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                            cst.Arg(cst.Name("input_ids")),
+                        ],  # type: ignore[arg-type]
                     ),
                 ),
                 cst.BaseStatement,
@@ -376,17 +417,19 @@ def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -
     return module
 
 
-def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChanges]:
-    """The module with its compat edits (re)made, or taken back when not enabled, and what they were."""
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with its compat edits (re)made, or taken back without --compat; what they were goes in context."""
     module = undo(module)
-    changes = CompatChanges()
-    if not enabled:
-        return module, changes
+    changes = context.compat = CompatChanges()
+    if not context.options.compat:
+        return module
     for stmt in module.body:  # a removed import anywhere but at the top level cannot be guarded here
         if not m.matches(stmt, IMPORT_FROM_LINE):
             for node in m.findall(stmt, m.ImportFrom()):
                 if _removed(cst.ensure_type(node, cst.ImportFrom)):
-                    raise RewriteError(f"compat: `from {_module_name(node)} import ...` inside a block; rerun with --no-compat")
+                    raise RewriteError(
+                        f"compat: `from {_module_name(node)} import ...` inside a block; rerun with --no-compat"
+                    )
     body = []
     for stmt in module.body:
         if m.matches(stmt, IMPORT_FROM_LINE) and _removed(stmt.body[0]):  # type: ignore[union-attr]
@@ -401,4 +444,11 @@ def transform(module: cst.Module, enabled: bool) -> tuple[cst.Module, CompatChan
     changes.cache_calls = calls.count
     changes.rope_scaling_reads = calls.rope_reads
     rewritten = _slice_generation_position_ids(rewritten, changes)
-    return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes), changes
+    for section, called in [
+        ("compat_cache", changes.cache_calls),
+        ("compat_rope_scaling", changes.rope_scaling_reads),
+        ("compat_generation", changes.position_ids),
+    ]:
+        if called:
+            context.sections.add(section)
+    return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite.codemods import Context
 from moe_rewrite.errors import RewriteError
-
-DESCRIPTION = "Removes the router's `assert not self.training` (and its other spellings)."
 
 SELF_TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
 FALSE = m.Name("False")
@@ -34,18 +33,23 @@ TRAINING_GUARD = m.SimpleStatementLine(
     body=[
         m.Assert(
             test=m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
-            | m.Comparison(left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=FALSE)])
+            | m.Comparison(
+                left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=FALSE)]
+            )
         )
     ]
 ) | m.If(
-    test=SELF_TRAINING | m.Comparison(left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=TRUE)]),
+    test=SELF_TRAINING
+    | m.Comparison(left=SELF_TRAINING, comparisons=[m.ComparisonTarget(operator=m.Is() | m.Equal(), comparator=TRUE)]),
     body=m.IndentedBlock(body=[m.SimpleStatementLine(body=[m.Raise()])]) | m.SimpleStatementSuite(body=[m.Raise()]),
     orelse=None,
 )
 
 
 class _DropTrainingGuards(cst.CSTTransformer):
-    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         body: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for stmt in updated_node.body:
@@ -67,7 +71,9 @@ def drop_training_guards(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
     fn = cst.ensure_type(fn.visit(_DropTrainingGuards()), cst.FunctionDef)
     for node in m.findall(fn, m.Assert() | m.If()):
         test = cst.ensure_type(node, (cst.Assert, cst.If)).test  # type: ignore[arg-type]
-        raises = isinstance(node, cst.Assert) or any(m.matches(s, m.SimpleStatementLine(body=[m.Raise()])) for s in _top(node))
+        raises = isinstance(node, cst.Assert) or any(
+            m.matches(s, m.SimpleStatementLine(body=[m.Raise()])) for s in _top(node)
+        )
         if raises and m.findall(test, SELF_TRAINING):
             code = cst.Module(body=[]).code_for_node(test)
             raise RewriteError(
@@ -86,7 +92,11 @@ def _top(node: cst.CSTNode) -> list[cst.CSTNode]:
     return []
 
 
-def transform(module: cst.Module, gate_class: str | None) -> cst.Module:
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """V3 form: the router's training guards dropped (the V2 form's router trains as published)."""
+    if context.moe.form != "v3":
+        return module
+    gate_class = context.moe.gate_class
     if gate_class is None:
         raise RewriteError("the MoE class's __init__ does not assign `self.gate = <GateClass>(...)`")
     gates = [s for s in module.body if m.matches(s, m.ClassDef(name=m.Name(gate_class)))]
@@ -97,4 +107,6 @@ def transform(module: cst.Module, gate_class: str | None) -> cst.Module:
     if len(forwards) != 1:
         raise RewriteError(f"{gate_class} has no forward()")
     forward = forwards[0]
-    return cst.ensure_type(module.deep_replace(forward, drop_training_guards(forward, f"{gate_class}.forward")), cst.Module)
+    return cst.ensure_type(
+        module.deep_replace(forward, drop_training_guards(forward, f"{gate_class}.forward")), cst.Module
+    )

@@ -37,36 +37,29 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.moe_forward import is_generated_method
+from moe_rewrite.codemods import Context, is_generated_method, is_marked
 
-DESCRIPTION = "Keeps loaded weights on transformers 5.0 and zero-initialises the router's correction bias."
-
-MARK = "# moe-rewrite:"
-GUARD = "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n    return\n"
+GUARD = (
+    "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n"
+    "    return\n"
+)
 BIAS = (
     'if getattr(module, "e_score_correction_bias", None) is not None:  # moe-rewrite: torch.empty; start at 0\n'
     "    module.e_score_correction_bias.data.zero_()\n"
 )
 RESTORE = "_moe_rewrite_restore_buffers(module)  # moe-rewrite: transformers 5 leaves non-persistent buffers unset\n"
-RECORDS = "_moe_rewrite_records_init({classes})  # moe-rewrite: they rebuild their non-persistent buffers in _init_weights\n"
-TEMPLATE = "init_weights_helpers.py"  # _moe_rewrite_loaded, _moe_rewrite_records_init, _moe_rewrite_restore_buffers
+RECORDS = (
+    "_moe_rewrite_records_init({classes})  # moe-rewrite: they rebuild their non-persistent buffers in _init_weights\n"
+)
 RECORDS_LINE = m.SimpleStatementLine(body=[m.Expr(m.Call(func=m.Name("_moe_rewrite_records_init")))])
 NON_PERSISTENT = m.Call(
     func=m.Attribute(attr=m.Name("register_buffer")),
     args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("persistent"), value=m.Name("False")), m.ZeroOrMore()],
 )
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
-INIT_WEIGHTS = m.FunctionDef(name=m.Name("_init_weights"), params=m.Parameters(params=[m.Param(), m.Param(name=m.Name("module"))]))
-
-
-def _ours(stmt: cst.BaseStatement) -> bool:
-    if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock):
-        comment = stmt.body.header.comment
-    elif isinstance(stmt, cst.SimpleStatementLine):
-        comment = stmt.trailing_whitespace.comment
-    else:
-        return False
-    return comment is not None and comment.value.startswith(MARK)
+INIT_WEIGHTS = m.FunctionDef(
+    name=m.Name("_init_weights"), params=m.Parameters(params=[m.Param(), m.Param(name=m.Name("module"))])
+)
 
 
 def _buffer_classes(module: cst.Module) -> list[str]:
@@ -75,7 +68,7 @@ def _buffer_classes(module: cst.Module) -> list[str]:
     classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
 
     def registers(cls: cst.ClassDef) -> bool:
-        own = [s for s in cls.body.body if not (isinstance(s, cst.FunctionDef) and is_generated_method(s.name.value))]
+        own = [s for s in cls.body.body if not is_generated_method(s)]
         return any(m.findall(s, NON_PERSISTENT) for s in own)
 
     found = [c.name.value for c in classes if registers(c)]
@@ -90,11 +83,12 @@ def _statement(text: str, module: cst.Module) -> cst.BaseStatement:
     return cst.parse_statement(text.replace("\n", module.default_newline), config=module.config_for_parsing)
 
 
-def transform(module: cst.Module, guard: bool) -> tuple[cst.Module, bool]:
-    """The module with the edits above (re)made (the bias line where the file has a correction bias), and whether the
-    guard's helper is called."""
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with the edits above (re)made (the bias line where the file has a correction bias); the guard and
+    the buffers with compat only."""
+    guard = context.options.compat
     correction_bias = bool(m.findall(module, m.Attribute(attr=m.Name("e_score_correction_bias"))))
-    module = module.with_changes(body=[s for s in module.body if not (m.matches(s, RECORDS_LINE) and _ours(s))])
+    module = module.with_changes(body=[s for s in module.body if not (m.matches(s, RECORDS_LINE) and is_marked(s))])
     buffered = _buffer_classes(module)
     used = False
     for cls in module.body:
@@ -104,7 +98,7 @@ def transform(module: cst.Module, guard: bool) -> tuple[cst.Module, bool]:
             if not m.matches(fn, INIT_WEIGHTS):
                 continue
             fn = cst.ensure_type(fn, cst.FunctionDef)
-            body = [s for s in fn.body.body if not _ours(s)]
+            body = [s for s in fn.body.body if not is_marked(s)]
             if guard:
                 docstring = m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))
                 added = [_statement(RESTORE, module)] if buffered else []
@@ -116,6 +110,9 @@ def transform(module: cst.Module, guard: bool) -> tuple[cst.Module, bool]:
             module = cst.ensure_type(module.deep_replace(fn, new_fn), cst.Module)
     if used and buffered:  # at the end, where every class it names is defined
         records = _statement(RECORDS.format(classes="".join(f"\n    {name}," for name in buffered) + "\n"), module)
-        module = module.with_changes(body=[*module.body, records.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)])
-    return module, used
-
+        module = module.with_changes(
+            body=[*module.body, records.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)]
+        )
+    if used:
+        context.sections.add("init_weights")
+    return module

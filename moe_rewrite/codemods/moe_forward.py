@@ -28,8 +28,8 @@ V2 form (a Python loop over the experts)::
         y = y.to(hidden_states.dtype).view(*orig_shape)
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
-Both forms get the `moe_train` method and the module-level block (regenerated on every run, so a run with other
-options rewrites them and a run with the same options changes nothing). Eval mode and `moe_infer` are untouched.
+Both forms get the `moe_train` method and its module-level helpers (templates/grouped_gemm.py, put in by the block
+codemod). Eval mode and `moe_infer` are untouched.
 """
 
 from __future__ import annotations
@@ -40,12 +40,10 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite.codemods import Context
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
-from moe_rewrite.templates import render_block, render_moe_methods
-
-DESCRIPTION = "Gives the DeepSeek MoE class a grouped-GEMM training path (moe_train)."
 
 NOT_SELF_TRAINING = m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
 MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_infer")))
@@ -56,8 +54,6 @@ EP_SIZE_IS_1 = m.Comparison(
     left=m.Attribute(value=m.Name("self"), attr=m.Name("ep_size")),
     comparisons=[m.ComparisonTarget(operator=m.Equal(), comparator=m.Integer("1"))],
 )
-GENERATED_PREFIXES = ("MOE_REWRITE_", "_moe_rewrite_", "_MoeRewrite")
-GENERATED_METHODS = ("moe_train",)  # and every method named moe_rewrite_*
 
 
 @dataclass
@@ -75,7 +71,8 @@ def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
     """ESFT form: the forward's `if self.ep_size == 1:` branch holding the loop over the experts (or moe_train)."""
     for stmt in forward.body.body:
         if m.matches(stmt, m.If(test=EP_SIZE_IS_1)) and m.findall(
-            stmt.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])) | MOE_TRAIN_CALL  # type: ignore[attr-defined]
+            stmt.body,
+            m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])) | MOE_TRAIN_CALL,  # type: ignore[attr-defined]
         ):
             return cst.ensure_type(stmt, cst.If)
     return None
@@ -84,11 +81,7 @@ def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
 def find_moe_class(module: cst.Module) -> cst.ClassDef:
     """The one top-level class defining both forward() and moe_infer() (or, ESFT form, a forward whose
     `if self.ep_size == 1:` branch loops over the experts)."""
-    found = [
-        s
-        for s in module.body
-        if isinstance(s, cst.ClassDef) and {"forward", "moe_infer"} <= _methods(s).keys()
-    ]
+    found = [s for s in module.body if isinstance(s, cst.ClassDef) and {"forward", "moe_infer"} <= _methods(s).keys()]
     if not found:
         found = [
             s
@@ -128,7 +121,9 @@ def _gate_arity(forward: cst.FunctionDef, where: str) -> int:
 def _training_if(forward: cst.FunctionDef, where: str) -> cst.If:
     ifs = [s for s in forward.body.body if m.matches(s, m.If(test=SELF_TRAINING | NOT_SELF_TRAINING))]
     if len(ifs) != 1:
-        raise RewriteError(f"{where}: expected one `if self.training:` or `if not self.training:` branch, found {len(ifs)}")
+        raise RewriteError(
+            f"{where}: expected one `if self.training:` or `if not self.training:` branch, found {len(ifs)}"
+        )
     return ifs[0]
 
 
@@ -137,7 +132,9 @@ def _block(suite: cst.BaseSuite) -> cst.IndentedBlock:
     if isinstance(suite, cst.IndentedBlock):
         return suite
     small = cst.ensure_type(suite, cst.SimpleStatementSuite).body
-    return cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)]) for s in small])
+    return cst.IndentedBlock(
+        body=[cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)]) for s in small]
+    )
 
 
 def _single_moe_infer_assign(block: cst.BaseSuite, where: str) -> cst.SimpleStatementLine:
@@ -184,7 +181,8 @@ def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: 
     tokens, topk_ids = (a.value for a in _moe_infer_args(infer_stmt)[:2])
     if options.bias_update is not None:
         count = cst.Call(
-            func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_rewrite_count_load")), args=[cst.Arg(topk_ids)]
+            func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_rewrite_count_load")),
+            args=[cst.Arg(topk_ids)],
         )
         extra.append(cst.SimpleStatementLine(body=[cst.Expr(count)]))
     if options.aux_loss:
@@ -197,7 +195,10 @@ def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: 
     body: list[cst.BaseStatement] = []
     for stmt in eval_stmts:
         if m.matches(stmt, m.SimpleStatementLine()) and m.findall(stmt, MOE_INFER_CALL):
-            body += [cst.ensure_type(stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine).with_changes(leading_lines=[]), *extra]
+            body += [
+                cst.ensure_type(stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine).with_changes(leading_lines=[]),
+                *extra,
+            ]
         else:
             body.append(stmt.with_changes(leading_lines=[]))
     return cst.Else(body=cst.IndentedBlock(body=body))
@@ -261,7 +262,9 @@ def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
         y = cst.ensure_type(store.value, cst.Name).value
         mask = cst.ensure_type(cst.ensure_type(store.slice[0].slice, cst.Index).value, cst.Comparison)
         idx = cst.ensure_type(mask.left, cst.Name).value
-        x = cst.ensure_type(cst.ensure_type(cst.ensure_type(assign.value, cst.Call).args[0].value, cst.Subscript).value, cst.Name).value
+        x = cst.ensure_type(
+            cst.ensure_type(cst.ensure_type(assign.value, cst.Call).args[0].value, cst.Subscript).value, cst.Name
+        ).value
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
     expected = f"for {i}, {expert} in enumerate(self.experts):\n    {y}[{idx} == {i}] = {expert}({x}[{idx} == {i}])"
@@ -269,7 +272,12 @@ def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
 
 
 def _rewrite_v2_training_body(
-    body: cst.IndentedBlock, infer_args: list[cst.Arg], forward: cst.FunctionDef, branch: cst.If, where: str, skip_after: int = 0
+    body: cst.IndentedBlock,
+    infer_args: list[cst.Arg],
+    forward: cst.FunctionDef,
+    branch: cst.If,
+    where: str,
+    skip_after: int = 0,
 ) -> cst.IndentedBlock:
     """Replace exactly the per-expert computation: the tokens' repeat_interleave, the output buffer, the loop and the
     weighted sum, as published. Every other statement stays, in order, before the moe_train call (if it cannot see
@@ -278,7 +286,9 @@ def _rewrite_v2_training_body(
     if any(m.findall(s, MOE_TRAIN_CALL) for s in stmts):
         return body  # already rewritten
     tokens, ids, weights = (_name_of(a.value) for a in infer_args)
-    loops = [i for i, s in enumerate(stmts) if m.matches(s, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)]) | SELF_EXPERTS))]
+    loops = [
+        i for i, s in enumerate(stmts) if m.matches(s, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)]) | SELF_EXPERTS))
+    ]
     if len(loops) != 1:
         raise RewriteError(f"{where}: the training branch has no `for ... in enumerate(self.experts)` loop")
     loop = loops[0]
@@ -295,11 +305,14 @@ def _rewrite_v2_training_body(
     known = {
         "repeat": [i for i in range(loop) if _same_code(stmts[i], repeat)],
         "buffer": [
-            i for i in range(loop)
-            if _same_code(stmts[i], f"{y} = torch.empty_like({tokens})") or _same_code(stmts[i], f"{y} = torch.zeros_like({tokens})")
+            i
+            for i in range(loop)
+            if _same_code(stmts[i], f"{y} = torch.empty_like({tokens})")
+            or _same_code(stmts[i], f"{y} = torch.zeros_like({tokens})")
         ],
         "sum": [
-            i for i in range(loop + 1, len(stmts))
+            i
+            for i in range(loop + 1, len(stmts))
             if m.matches(stmts[i], m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])]))
             and _same_code(
                 stmts[i],
@@ -314,7 +327,9 @@ def _rewrite_v2_training_body(
     ):
         if len(known[what]) != 1:
             where_ = "before" if what != "sum" else "after"
-            raise RewriteError(f"{where}: expected one `{expected}` {where_} the experts loop, found {len(known[what])}")
+            raise RewriteError(
+                f"{where}: expected one `{expected}` {where_} the experts loop, found {len(known[what])}"
+            )
     r, b, total = known["repeat"][0], known["buffer"][0], known["sum"][0]
     if not r < b:
         raise RewriteError(f"{where}: `{repeat}` should come before `{_code(stmts[b])}`")
@@ -335,19 +350,27 @@ def _rewrite_v2_training_body(
             kept_before.append(stmt)
         else:
             if _uses_beyond_dtype(stmt, tokens) or (buffer_live and _reads(stmt, y)):
-                raise RewriteError(f"{where}: `{_code(stmt)}` reads the per-expert copies of the tokens; moe-rewrite cannot keep it exactly")
+                raise RewriteError(
+                    f"{where}: `{_code(stmt)}` reads the per-expert copies of the tokens; "
+                    "moe-rewrite cannot keep it exactly"
+                )
             buffer_live = buffer_live and y not in _assigned_in(stmt)
             kept_after.append(stmt)
     for stmt in _statements_after(forward, branch)[skip_after:]:
         if _uses_beyond_dtype(stmt, tokens):
-            raise RewriteError(f"{where}: `{_code(stmt)}` reads `{tokens}`, which training repeats per expert; moe-rewrite cannot keep it exactly")
+            raise RewriteError(
+                f"{where}: `{_code(stmt)}` reads `{tokens}`, which training repeats per expert; "
+                "moe-rewrite cannot keep it exactly"
+            )
     target = cst.ensure_type(cst.ensure_type(stmts[total], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
     call = cst.Call(
         func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_train")),
         args=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in infer_args],
     )
     # The comments above the replaced statements described the loop; say what replaced it instead.
-    note = cst.EmptyLine(comment=cst.Comment("# moe-rewrite: the experts as grouped GEMMs instead of a loop over experts"))
+    note = cst.EmptyLine(
+        comment=cst.Comment("# moe-rewrite: the experts as grouped GEMMs instead of a loop over experts")
+    )
     new = cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=call)], leading_lines=[note])
     return body.with_changes(body=[*kept_before, new, *kept_after])
 
@@ -368,10 +391,14 @@ def _check_flat_ids(forward: cst.FunctionDef, branch: cst.If, flat: str, ids: st
     body = list(forward.body.body)
     before = body[: body.index(branch)]
     defs = [s for s in body if flat in _assigned_in(s)]
-    if len(defs) != 1 or defs[0] not in before or not (
-        _same_code(defs[0], f"{flat} = {ids}.view(-1)") or _same_code(defs[0], f"{flat} = {ids}.reshape(-1)")
+    if (
+        len(defs) != 1
+        or defs[0] not in before
+        or not (_same_code(defs[0], f"{flat} = {ids}.view(-1)") or _same_code(defs[0], f"{flat} = {ids}.reshape(-1)"))
     ):
-        raise RewriteError(f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = {ids}.view(-1)`")
+        raise RewriteError(
+            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = {ids}.view(-1)`"
+        )
     if [s for s in body if ids in _assigned_in(s) and not m.findall(s, SELF_GATE_CALL)]:
         raise RewriteError(f"{where}: `{ids}` is assigned again after the gate; moe-rewrite cannot keep it exactly")
 
@@ -393,7 +420,9 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
     branch = _training_if(forward, where)
     if arity == 2 and m.matches(branch.test, NOT_SELF_TRAINING):
         if branch.orelse is not None and not m.findall(branch.orelse, MOE_TRAIN_CALL):
-            raise RewriteError(f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write")
+            raise RewriteError(
+                f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write"
+            )
         new_branch = branch.with_changes(orelse=_v3_training_else(branch.body, options, where))
         form = "v3"
     elif arity == 3 and m.matches(branch.test, SELF_TRAINING):
@@ -432,7 +461,9 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
 
     The expert-parallel path is left as it is; the same exact-or-refused rules as the V2 form apply."""
     if options.aux_loss or options.bias_update is not None:
-        raise RewriteError(f"{where}: --aux-loss and --bias-update apply to the V3 form; this ESFT-form file trains its own aux loss")
+        raise RewriteError(
+            f"{where}: --aux-loss and --bias-update apply to the V3 form; this ESFT-form file trains its own aux loss"
+        )
     if options.fuse_experts:
         raise RewriteError(
             f"{where}: ESFT form: it trains selected experts (requires_grad per expert), which fused experts cannot "
@@ -451,18 +482,25 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
     loop = next(iter(m.findall(branch.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])))))
     found = _experts_loop_names(cst.ensure_type(loop, cst.For))
     if weights is None or found is None:
-        raise RewriteError(f"{where}: no weighted sum right after `if self.ep_size == 1:`, or its experts loop is not the published one")
+        raise RewriteError(
+            f"{where}: no weighted sum right after `if self.ep_size == 1:`, "
+            "or its experts loop is not the published one"
+        )
     flat = found[1]
     ids = next(
         (
-            cst.ensure_type(cst.ensure_type(cst.ensure_type(d.body[0], cst.Assign).value, cst.Call).func, cst.Attribute).value
+            cst.ensure_type(
+                cst.ensure_type(cst.ensure_type(d.body[0], cst.Assign).value, cst.Call).func, cst.Attribute
+            ).value
             for d in flat_defs
             if _assign_target(d) == flat
         ),
         None,
     )
     if not isinstance(ids, cst.Name):
-        raise RewriteError(f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`")
+        raise RewriteError(
+            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`"
+        )
     args = [cst.Arg(cst.Name(found[2])), cst.Arg(ids), cst.Arg(cst.ensure_type(weights, cst.Arg).value.value)]  # type: ignore[attr-defined]
     merged = cst.IndentedBlock(body=[*_block(branch.body).body, after[0]])
     body = _rewrite_v2_training_body(merged, args, forward, branch, where, skip_after=1)
@@ -474,66 +512,17 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
     return forward.with_changes(body=forward.body.with_changes(body=statements))
 
 
-def is_generated_method(name: str) -> bool:
-    return name in GENERATED_METHODS or name.startswith("moe_rewrite_")
-
-
-def with_methods(moe: cst.ClassDef, forward: cst.FunctionDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
-    """The class with `forward` replaced and the generated methods right after it (replacing earlier ones)."""
-    body: list[cst.BaseStatement] = []
-    for stmt in moe.body.body:
-        if isinstance(stmt, cst.FunctionDef) and is_generated_method(stmt.name.value):
-            continue
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-            body += [forward, *methods]
-        else:
-            body.append(stmt)
-    return moe.with_changes(body=moe.body.with_changes(body=body))
-
-
-def _is_generated(stmt: cst.BaseStatement) -> bool:
-    names: list[str] = []
-    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-        names.append(stmt.name.value)
-    elif isinstance(stmt, cst.SimpleStatementLine):
-        for small in stmt.body:
-            if isinstance(small, cst.Assign):
-                names += [t.target.value for t in small.targets if isinstance(t.target, cst.Name)]
-    return bool(names) and all(n.startswith(GENERATED_PREFIXES) for n in names)
-
-
-BANNER = "# ---- moe-rewrite"  # the first line above the generated block (templates.banner_lines)
-
-
-def _generated_block(module: cst.Module) -> set[int]:
-    """ids of the statements of an earlier run's block: from the one under the banner on, while their names are
-    generated ones. A name with the generated prefix elsewhere in the file is the user's and stays."""
-    found: set[int] = set()
-    inside = False
-    for stmt in module.body:
-        if any(line.comment and line.comment.value.startswith(BANNER) for line in getattr(stmt, "leading_lines", ())):
-            inside = True
-        inside = inside and _is_generated(stmt)
-        if inside:
-            found.add(id(stmt))
-    return found
-
-
-def transform(
-    module: cst.Module, options: RewriteOptions, extra_sections: tuple[str, ...] = ()
-) -> tuple[cst.Module, MoeClassInfo]:
+def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = find_moe_class(module)
-    forward, form = rewrite_forward(moe, options)
-    new_moe = with_methods(moe, forward, render_moe_methods(module, options))
-    block = render_block(module, moe.name.value, options, extra_sections)
-    body: list[cst.BaseStatement] = []
-    generated = _generated_block(module)
-    for stmt in module.body:
-        if id(stmt) in generated:
-            continue
-        if stmt is moe:
-            body += [*block, new_moe]
-        else:
-            body.append(stmt)
-    info = MoeClassInfo(name=moe.name.value, gate_class=gate_class_name(moe), form=form)
-    return module.with_changes(body=body), info
+    forward, form = rewrite_forward(moe, context.options)
+    old_forward = _methods(moe)["forward"]
+    new_moe = moe.with_changes(
+        body=moe.body.with_changes(body=[forward if s is old_forward else s for s in moe.body.body])
+    )
+    context.moe = MoeClassInfo(name=moe.name.value, gate_class=gate_class_name(moe), form=form)
+    context.sections |= {"grouped_gemm"}
+    if context.options.aux_loss:
+        context.sections.add("aux_loss")
+    if context.options.bias_update is not None:
+        context.sections.add("bias_update")
+    return module.with_changes(body=[new_moe if s is moe else s for s in module.body])

@@ -1,4 +1,6 @@
-# Module-level helpers for `--aux-loss` (V3 form), added to the moe-rewrite block after moe_train_block.py.
+"""Module-level helpers for `--aux-loss` (V3 form), added to the moe-rewrite block after moe_train_block.py."""
+
+import torch
 
 
 class _MoeRewriteAddAuxLoss(torch.autograd.Function):
@@ -28,7 +30,9 @@ def _moe_rewrite_balance_loss(moe, x, topk_ids, batch_size):
     scores = (scores / scores.sum(dim=-1, keepdim=True)).view(batch_size, -1, num_experts)
     seq_len = scores.shape[1]
     routed = torch.zeros(batch_size, num_experts, dtype=scores.dtype, device=scores.device)
-    routed.scatter_add_(1, topk_ids.view(batch_size, -1), torch.ones_like(topk_ids, dtype=scores.dtype).view(batch_size, -1))
+    routed.scatter_add_(
+        1, topk_ids.view(batch_size, -1), torch.ones_like(topk_ids, dtype=scores.dtype).view(batch_size, -1)
+    )
     f = routed * (num_experts / (top_k * seq_len))
     return moe.config.aux_loss_alpha * (f * scores.mean(dim=1)).sum(dim=1).mean()
 

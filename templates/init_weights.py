@@ -1,4 +1,7 @@
-# Module-level helper of the _init_weights guard (moe_rewrite/codemods/init_weights.py), added to the moe-rewrite block.
+"""The helpers of the _init_weights edits (moe_rewrite/codemods/init_weights.py): keep what transformers 5.x loaded,
+rebuild the non-persistent buffers it leaves unset."""
+
+import torch
 
 
 def _moe_rewrite_loaded(module):

@@ -1,6 +1,7 @@
-# Module-level helpers of the compat rewrite (moe_rewrite/codemods/compat.py), added to the moe-rewrite block: the
-# Cache methods of transformers 4.36-4.47 that later releases removed, answered with what the installed release has.
-# Each one calls the original method where it still exists, so older releases run exactly as before.
+"""Module-level helpers of the compat rewrite (moe_rewrite/codemods/compat.py), added to the moe-rewrite block: the
+Cache methods of transformers 4.36-4.47 that later releases removed, answered with what the installed release has.
+Each one calls the original method where it still exists, so older releases run exactly as before.
+"""
 
 
 def _moe_rewrite_cache_max_length(cache):

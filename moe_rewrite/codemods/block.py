@@ -1,0 +1,86 @@
+"""Put the generated code into the file: the module-level statements of the sections the other codemods asked for,
+as one block in front of the MoE class, and their MoE-class methods right after its forward()::
+
+    # ---- moe-rewrite 0.3.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
+    # Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
+    MOE_REWRITE_OPTIONS = {...}
+    ...                                  # templates/grouped_gemm.py, fused_experts.py, ... (templates.SECTIONS order)
+
+    class DeepseekV3MoE(nn.Module):
+        def forward(self, hidden_states): ...
+
+        # moe-rewrite: generated method, regenerated on every run
+        def moe_train(self, x, topk_ids, topk_weight): ...
+
+An earlier run's block and methods are replaced, so a run with other options rewrites them and a run with the same
+options changes nothing. A later section's method replaces an earlier one of the same name (per_expert.py's
+moe_rewrite_expert_weights replaces fused_experts.py's).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from moe_rewrite.codemods import GENERATED_PREFIXES, Context, is_generated_method, marked
+from moe_rewrite.templates import banner_lines, ordered, render_section
+
+BANNER = "# ---- moe-rewrite"  # the first line above the generated block (templates.banner_lines)
+
+
+def _is_generated(stmt: cst.BaseStatement) -> bool:
+    names: list[str] = []
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        names.append(stmt.name.value)
+    elif isinstance(stmt, cst.SimpleStatementLine):
+        for small in stmt.body:
+            if isinstance(small, cst.Assign):
+                names += [t.target.value for t in small.targets if isinstance(t.target, cst.Name)]
+    return bool(names) and all(n.startswith(GENERATED_PREFIXES) for n in names)
+
+
+def _generated_block(module: cst.Module) -> set[int]:
+    """ids of the statements of an earlier run's block: from the one under the banner on, while their names are
+    generated ones. A name with the generated prefix elsewhere in the file is the user's and stays."""
+    found: set[int] = set()
+    inside = False
+    for stmt in module.body:
+        if any(line.comment and line.comment.value.startswith(BANNER) for line in getattr(stmt, "leading_lines", ())):
+            inside = True
+        inside = inside and _is_generated(stmt)
+        if inside:
+            found.add(id(stmt))
+    return found
+
+
+def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
+    """The class with the generated methods right after its forward (replacing earlier ones)."""
+    body: list[cst.BaseStatement] = []
+    for stmt in moe.body.body:
+        if is_generated_method(stmt):
+            continue
+        body.append(stmt)
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
+            body += methods
+    return moe.with_changes(body=moe.body.with_changes(body=body))
+
+
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    names = ordered(context.sections)
+    sections = [render_section(name, module, context.options if name == "grouped_gemm" else None) for name in names]
+    statements: list[cst.BaseStatement] = []
+    for section in sections:
+        if section.statements:  # two blank lines between top-level definitions, as in the rest of the file
+            statements.append(section.statements[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2))
+            statements += section.statements[1:]
+    statements[0] = statements[0].with_changes(leading_lines=banner_lines(context.moe.name, context.options))
+    methods = {method.name.value: marked(method) for section in sections for method in section.moe_methods}
+    generated = _generated_block(module)
+    body: list[cst.BaseStatement] = []
+    for stmt in module.body:
+        if id(stmt) in generated:
+            continue
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value == context.moe.name:
+            body += [*statements, _with_methods(stmt, list(methods.values()))]
+        else:
+            body.append(stmt)
+    return module.with_changes(body=body)

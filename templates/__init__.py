@@ -1,0 +1,13 @@
+"""The code moe-rewrite generates, as a Python package: one module per section (moe_rewrite/templates.py lists them
+with what each does, and renders them). Tests import these modules directly; a rewritten file holds a copy of the
+sections it needs and imports nothing from moe-rewrite.
+
+    grouped_gemm       the core: kernel choice, grouped GEMMs, one autograd Function over (E, out, in) weights,
+                       token gather and weighted combine, the per-expert loop fallback; MoE.moe_train
+    fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
+                       MoE.moe_rewrite_expert_weights() -> (gate_up, down, act_fn)
+    fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
+    fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default)
+    per_expert         --no-fuse-experts: the seam over per-expert nn.Linear layers
+    aux_loss, bias_update, checkpointing, init_weights, compat_*: the options and transformers compatibility
+"""

@@ -1,0 +1,125 @@
+"""Checkpoint keys of fused experts, both ways: the checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...)
+load into the fused parameters, and save_pretrained writes them back as per-expert keys, beside the patched code.
+Always generated.
+"""
+
+import torch
+
+
+def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
+    """The (E, 2 * intermediate, hidden) gate_up and (E, hidden, intermediate) down tensors holding the experts'
+    weights, in the first weight's dtype and device (filled in place: no per-expert temporaries)."""
+    experts, (inter, hidden) = len(gate_w), gate_w[0].shape
+    first = gate_w[0]
+    with torch.no_grad():
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
+        down = torch.empty(experts, hidden, inter, dtype=first.dtype, device=first.device)
+        for i in range(experts):
+            gate_up[i, :inter].copy_(gate_w[i])
+            gate_up[i, inter:].copy_(up_w[i])
+            down[i].copy_(down_w[i])
+    return gate_up, down
+
+
+def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, *args):
+    """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
+    a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
+    some are reported missing."""
+    projections = ("gate_proj", "up_proj", "down_proj")
+    keys = [(i, proj, f"{prefix}{i}.{proj}.weight") for i in range(len(module)) for proj in projections]
+    found = [key for key in keys if key[2] in state_dict]
+    if not found:
+        return
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.is_meta or type(gate_up) is not torch.nn.Parameter:
+        # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.
+        if len(found) == len(keys):
+            tensors = [state_dict.pop(key) for _, _, key in keys]
+            gate_up, down = _moe_rewrite_stack_experts(tensors[0::3], tensors[1::3], tensors[2::3])
+            for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
+                param = getattr(module, name)
+                if hasattr(param, "device_mesh"):  # every rank holds the full tensor: keep this rank's shard
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+                state_dict[prefix + name] = value
+        return
+    inter = down.shape[2]
+    with torch.no_grad():
+        for i, proj, key in found:
+            value = state_dict.pop(key)
+            target = (
+                down[i] if proj == "down_proj" else gate_up[i, :inter] if proj == "gate_proj" else gate_up[i, inter:]
+            )
+            if value.shape != target.shape:
+                raise RuntimeError(f"moe-rewrite: {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+            target.copy_(value)
+    loaded = {key for _, _, key in found}
+    missing_keys.extend(key for _, _, key in keys if key not in loaded)
+    # What was copied counts as loaded, the fused names are not reported missing.
+    state_dict.setdefault(prefix + "gate_up_proj", gate_up.detach())
+    state_dict.setdefault(prefix + "down_proj", down.detach())
+
+
+def _moe_rewrite_unfuse_state_dict(state_dict, model):
+    """For save_pretrained: the state dict (the model's own when None) with every fused experts' gate_up_proj /
+    down_proj pair written as the checkpoint's per-expert keys, as CPU copies; None when the model's own state dict
+    holds no fused experts (save_pretrained then writes it as usual)."""
+    own = state_dict is None
+    if own:
+        state_dict = model.state_dict()
+    fused = [key[: -len("gate_up_proj")] for key in state_dict if key.endswith("experts.gate_up_proj")]
+    fused = {prefix for prefix in fused if prefix + "down_proj" in state_dict}
+    if own and not fused:
+        return None
+    unfused = {}
+    for key, value in state_dict.items():
+        prefix, _, name = key.rpartition(".")
+        prefix += "."
+        if prefix in fused and name == "down_proj":
+            continue  # written with its gate_up_proj
+        if prefix not in fused or name != "gate_up_proj":
+            unfused[key] = value
+        else:
+            down = state_dict[prefix + "down_proj"].detach()
+            value, inter = value.detach(), down.shape[2]
+            for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
+                unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
+    return unfused
+
+
+def _moe_rewrite_save_code(model, directory):
+    """Copy the modeling file `model` runs (this patched file) and its configuration file beside the weights that
+    save_pretrained wrote: transformers writes only the configuration file of remote code, so Trainer checkpoints and
+    merged adapters would not reload with trust_remote_code."""
+    import os
+    import shutil
+    import sys
+
+    for cls in (type(model), type(model.config)):
+        source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if source is None:
+            continue
+        target = os.path.join(directory, os.path.basename(source))
+        if not (os.path.exists(target) and os.path.samefile(source, target)):
+            shutil.copyfile(source, target)
+
+
+class Model:
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as PreTrainedModel.save_pretrained does, fused routed experts written as per-expert keys (moe-rewrite);
+        a `state_dict` passed in (a full state dict gathered from FSDP, say) is converted the same way; the patched
+        modeling file and the files it imports are written beside the weights."""
+        writes = args[0] if args else kwargs.get("is_main_process", True)
+        if not writes:
+            pass  # this process writes nothing
+        elif len(args) > 1:  # state_dict passed by position, after is_main_process
+            args = (args[0], _moe_rewrite_unfuse_state_dict(args[1], self), *args[2:])
+        else:
+            kwargs["state_dict"] = _moe_rewrite_unfuse_state_dict(kwargs.get("state_dict"), self)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if writes:
+            _moe_rewrite_save_code(self, save_directory)
+        return result

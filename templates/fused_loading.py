@@ -1,0 +1,69 @@
+"""Fused loading (the default; not with --no-fuse-experts): every model class of the file (the base model,
+ForCausalLM, ...) comes out of from_pretrained and from_config with each MoE layer's experts fused.
+"""
+
+
+def _moe_rewrite_fuse_model(model, loading=False):
+    """Fuse the routed experts of every MoE layer that can be fused (on loading).
+
+    Layers whose experts cannot be fused (quantized or adapter-wrapped projections, DeepSpeed ZeRO-3 partitions,
+    weights offloaded to the meta device) stay as they are, with one warning. MOE_REWRITE_FUSE_EXPERTS=0 turns it off.
+    `loading`: the model is being built for a loader that fills the fused parameters, so meta weights are fused too.
+    """
+    import os
+    import warnings
+
+    if os.environ.get("MOE_REWRITE_FUSE_EXPERTS", "1") == "0":
+        return model
+    kept = []
+    for name, module in model.named_modules():
+        if callable(getattr(module, "moe_rewrite_fuse_experts", None)):
+            try:
+                module.moe_rewrite_fuse_experts(allow_meta=loading)
+            except (RuntimeError, NotImplementedError) as error:
+                kept.append(f"{name}: {error}")
+    if kept:
+        warnings.warn(f"moe-rewrite: {len(kept)} MoE layers keep per-expert weights ({kept[0]})", stacklevel=2)
+    return model
+
+
+def _moe_rewrite_loader_fuses_experts(config):
+    """Whether this transformers' from_pretrained may merge per-expert checkpoint keys into fused ones for this remote
+    code: 5.0 to 5.12 apply their deepseek_v2/v3 conversion to models of that model_type (5.0.0 always, 5.12 when the
+    model has fused parameters); 5.13 skips remote code."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return major == 5 and minor < 13 and getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+
+
+class Model:
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Load as PreTrainedModel.from_pretrained does, then fuse the routed experts."""
+        wants_info = kwargs.get("output_loading_info", False)
+        model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
+        unexpected = info.get("unexpected_keys", ())
+        fused_keys = [k for k in unexpected if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        if fused_keys:
+            # from_pretrained reads per-expert keys only: these experts would be left randomly initialised.
+            raise RuntimeError(
+                f"moe-rewrite: the checkpoint holds fused expert weights ({fused_keys[0]}, ...), which from_pretrained "
+                "does not load; write it with save_pretrained, or convert its state dict with "
+                "moe_rewrite.training.unfuse_state_dict(model, state_dict)"
+            )
+        _moe_rewrite_fuse_model(model)
+        return (model, info) if wants_info else model
+
+    def post_init(self):
+        """PreTrainedModel.post_init; where transformers' from_pretrained itself merges the checkpoint's per-expert keys
+        into gate_up_proj / down_proj (5.0 to 5.12 do for deepseek_v2/v3 remote code), the routed experts are fused
+        here, before loading, so that those keys land in them."""
+        super().post_init()
+        if _moe_rewrite_loader_fuses_experts(self.config):
+            _moe_rewrite_fuse_model(self, loading=True)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """Build as PreTrainedModel._from_config does, then fuse the routed experts."""
+        return _moe_rewrite_fuse_model(super()._from_config(config, **kwargs))

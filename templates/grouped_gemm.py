@@ -1,0 +1,241 @@
+"""The grouped-GEMM core: the routed experts' MLPs for every token at once, as two grouped GEMMs over rows sorted by
+expert, with autograd; the per-expert loop as fallback. Always generated.
+
+The core never asks how the expert weights are laid out: it gets them from the MoE layer's
+`moe_rewrite_expert_weights()` (fused_experts.py, or per_expert.py with --no-fuse-experts) as weight sources, objects
+with `tensors`, `stacked(dtype)` and `grads(compute)`; `_MoeRewriteExpertWeight` below is the one for an (E, out, in)
+tensor.
+"""
+
+import torch
+
+# moe-rewrite writes the rewrite's own options here (backend, stacking, version; see moe_rewrite/options.py).
+MOE_REWRITE_OPTIONS = {"version": "template", "backend": "auto", "stacking": "stack"}
+_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, decided once per process
+_moe_rewrite_settings = {}  # environment variable -> value, read once per process
+
+
+def _moe_rewrite_setting(name, default):
+    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_DIRECT_GRADS), read on first use and kept for
+    the process, so that no training step reads the environment."""
+    if name not in _moe_rewrite_settings:
+        import os
+
+        _moe_rewrite_settings[name] = os.environ.get(name) or default
+    return _moe_rewrite_settings[name]
+
+
+def _moe_rewrite_compute_dtype(x):
+    """The dtype the expert GEMMs run in: torch.autocast's when it is on for x's device (as nn.Linear would), else
+    x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _moe_rewrite_kernel(device, dtype):
+    """The grouped-GEMM kernel for activations on `device` computed in `dtype`: "torch", "grouped_gemm", "sorted" or
+    "loop". Decided on first use per (device, dtype) and kept for the process."""
+    key = (device, dtype)
+    if key not in _moe_rewrite_kernels:
+        _moe_rewrite_kernels[key] = _moe_rewrite_choose_kernel(device, dtype)
+    return _moe_rewrite_kernels[key]
+
+
+def _moe_rewrite_choose_kernel(device, dtype):
+    """MOE_REWRITE_BACKEND, else the backend chosen at rewrite time, resolved for this device and dtype."""
+    backend = _moe_rewrite_setting("MOE_REWRITE_BACKEND", MOE_REWRITE_OPTIONS["backend"])
+    cuda_bf16 = device.type == "cuda" and dtype == torch.bfloat16
+    if backend == "loop":
+        return "loop"
+    if backend == "grouped_gemm":
+        if not cuda_bf16 or _moe_rewrite_grouped_gemm() is None:
+            raise RuntimeError(
+                "moe-rewrite: backend 'grouped_gemm' needs the grouped_gemm package, CUDA and bfloat16 activations"
+            )
+        return "grouped_gemm"
+    # torch's grouped matmul (torch._grouped_mm, torch's only grouped GEMM, private but the one transformers uses too)
+    # has fast kernels for bf16 on sm90+ only; anywhere else the sorted per-expert pass is faster.
+    torch_fast = cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
+    if backend == "torch":
+        return "torch" if torch_fast else "sorted"
+    if backend == "auto":
+        if torch_fast:
+            return "torch"
+        if cuda_bf16 and _moe_rewrite_grouped_gemm() is not None:
+            return "grouped_gemm"
+        return "sorted"
+    raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, grouped_gemm or loop")
+
+
+def _moe_rewrite_grouped_gemm():
+    """The grouped_gemm package's backend module, or None when it is not installed."""
+    try:
+        from grouped_gemm import backend
+    except ImportError:
+        return None
+    return backend
+
+
+def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
+    """One grouped GEMM over rows sorted by expert; `offsets` holds the cumulative row counts per expert (int32).
+
+    mode "fwd":   a (rows, in),  b (E, out, in) -> (rows, out), each row times its expert's weight transposed
+    mode "dgrad": a (rows, out), b (E, out, in) -> (rows, in)
+    mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
+    """
+    if kernel == "torch":
+        if mode == "fwd":
+            return torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+        if mode == "dgrad":
+            return torch._grouped_mm(a, b, offs=offsets)
+        return torch._grouped_mm(a.t(), b, offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).cpu()
+    if kernel == "grouped_gemm":
+        gg = _moe_rewrite_grouped_gemm()
+        counts = counts.long()
+        if mode == "fwd":
+            return gg.gmm(a, b, counts, trans_b=True)
+        if mode == "dgrad":
+            return gg.gmm(a, b, counts)
+        return gg.gmm(a, b, counts, trans_a=True)
+    # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype.
+    a_parts = a.split(counts.tolist())
+    if mode == "fwd":
+        return torch.cat([part @ w.t() for part, w in zip(a_parts, b)])
+    if mode == "dgrad":
+        return torch.cat([part @ w for part, w in zip(a_parts, b)])
+    return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b.split(counts.tolist()))])
+
+
+class _MoeRewriteExpertWeight:
+    """The weight source of one (E, out, in) tensor (a fused experts parameter): autograd connects the tensor itself,
+    the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
+
+    def __init__(self, weight):
+        self.weight = weight
+        self.tensors = (weight,)
+
+    def stacked(self, dtype):
+        return self.weight.to(dtype)
+
+    def grads(self, compute):
+        return (compute().to(self.weight.dtype),)
+
+
+class _MoeRewriteGroupedLinear(torch.autograd.Function):
+    """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
+
+    `source` is a weight source (see the top of this block) and `tensors` its `source.tensors`, the inputs autograd
+    connects this node to. With keep_stacked False, a stacked weight that is not one of those tensors is rebuilt in
+    backward instead of being kept alive between forward and backward (lower peak memory).
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, kernel, keep_stacked, source, *tensors):
+        stacked = source.stacked(x.dtype)
+        ctx.kernel, ctx.source = kernel, source
+        # A tensor used as it is costs nothing to keep (autograd saves nn.Linear's weight the same way).
+        keep = keep_stacked or any(stacked is t for t in tensors)
+        ctx.save_for_backward(x, offsets, stacked if keep else None)
+        return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, stacked = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if stacked is None:
+                stacked = ctx.source.stacked(x.dtype)
+            grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
+            del stacked  # a rebuilt copy is freed before the weight gradients are allocated
+        tensor_grads = ctx.needs_input_grad[5:]  # after x, offsets, kernel, keep_stacked, source
+        grads = (None,) * len(tensor_grads)
+        if any(tensor_grads):
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad"))
+        return (grad_x, None, None, None, None, *grads)
+
+
+def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source):
+    return _MoeRewriteGroupedLinear.apply(x, offsets, kernel, keep_stacked, source, *source.tensors)
+
+
+class _MoeRewriteGather(torch.autograd.Function):
+    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
+
+    Backward un-sorts the row gradients (a permutation, no atomics) and sums each token's top_k rows: deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
+
+
+def _moe_rewrite_combine(y, topk_ids, topk_weight):
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
+
+    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
+    """
+    dtype = torch.promote_types(y.dtype, topk_weight.dtype)
+    return (y.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
+    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn), two weight sources
+    (gate and up concatenated along the output dim, so one GEMM runs both) and the activation."""
+    gate_up_w, down_w, act_fn = weights
+    flat_ids = topk_ids.reshape(-1)
+    # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
+    order = flat_ids.argsort(stable=True)
+    # Cumulative row counts per expert, computed on the device: no host sync.
+    experts = torch.arange(num_experts, device=flat_ids.device)
+    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
+    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
+    # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
+    # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
+    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_up_w).chunk(2, dim=-1)
+    out = _moe_rewrite_linear(act_fn(gate) * up, offsets, kernel, keep_stacked, down_w)
+    # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
+    out = torch.empty_like(out).index_copy(0, order, out)
+    return _moe_rewrite_combine(out, topk_ids, topk_weight)
+
+
+def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
+    """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
+    cannot read (LoRA-wrapped or quantized projections, DeepSpeed ZeRO-3 partitions)."""
+    flat_ids = topk_ids.view(-1)
+    x = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    y = torch.empty_like(x)
+    for i, expert in enumerate(experts):
+        y[flat_ids == i] = expert(x[flat_ids == i])
+    return _moe_rewrite_combine(y, topk_ids, topk_weight)
+
+
+class MoE:
+    def moe_train(self, x, topk_ids, topk_weight):
+        """Routed experts in training mode (helpers: the moe-rewrite block above this class).
+
+        x: (tokens, hidden); topk_ids, topk_weight: (tokens, top_k). Returns the weighted sum of each token's expert
+        outputs in the promoted dtype of x and topk_weight, exactly what a loop over the experts computes, with
+        autograd.
+        The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
+        """
+        if self.ep_size > 1:
+            raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
+        dtype = _moe_rewrite_compute_dtype(x)
+        kernel = _moe_rewrite_kernel(x.device, dtype)
+        weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
+        if weights is None:
+            return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
+        return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self.experts), kernel, dtype)

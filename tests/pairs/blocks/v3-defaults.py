@@ -1,0 +1,706 @@
+
+
+# ---- moe-rewrite 0.2.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
+# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
+MOE_REWRITE_OPTIONS = {"version": "0.2.0", "backend": "auto", "stacking": "stack"}
+_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, decided once per process
+_moe_rewrite_settings = {}  # environment variable -> value, read once per process
+
+
+def _moe_rewrite_setting(name, default):
+    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_DIRECT_GRADS), read on first use and kept for
+    the process, so that no training step reads the environment."""
+    if name not in _moe_rewrite_settings:
+        import os
+
+        _moe_rewrite_settings[name] = os.environ.get(name) or default
+    return _moe_rewrite_settings[name]
+
+
+def _moe_rewrite_compute_dtype(x):
+    """The dtype the expert GEMMs run in: torch.autocast's when it is on for x's device (as nn.Linear would), else
+    x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _moe_rewrite_kernel(device, dtype):
+    """The grouped-GEMM kernel for activations on `device` computed in `dtype`: "torch", "grouped_gemm", "sorted" or
+    "loop". Decided on first use per (device, dtype) and kept for the process."""
+    key = (device, dtype)
+    if key not in _moe_rewrite_kernels:
+        _moe_rewrite_kernels[key] = _moe_rewrite_choose_kernel(device, dtype)
+    return _moe_rewrite_kernels[key]
+
+
+def _moe_rewrite_choose_kernel(device, dtype):
+    """MOE_REWRITE_BACKEND, else the backend chosen at rewrite time, resolved for this device and dtype."""
+    backend = _moe_rewrite_setting("MOE_REWRITE_BACKEND", MOE_REWRITE_OPTIONS["backend"])
+    cuda_bf16 = device.type == "cuda" and dtype == torch.bfloat16
+    if backend == "loop":
+        return "loop"
+    if backend == "grouped_gemm":
+        if not cuda_bf16 or _moe_rewrite_grouped_gemm() is None:
+            raise RuntimeError(
+                "moe-rewrite: backend 'grouped_gemm' needs the grouped_gemm package, CUDA and bfloat16 activations"
+            )
+        return "grouped_gemm"
+    # torch's grouped matmul (torch._grouped_mm, torch's only grouped GEMM, private but the one transformers uses too)
+    # has fast kernels for bf16 on sm90+ only; anywhere else the sorted per-expert pass is faster.
+    torch_fast = cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
+    if backend == "torch":
+        return "torch" if torch_fast else "sorted"
+    if backend == "auto":
+        if torch_fast:
+            return "torch"
+        if cuda_bf16 and _moe_rewrite_grouped_gemm() is not None:
+            return "grouped_gemm"
+        return "sorted"
+    raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, grouped_gemm or loop")
+
+
+def _moe_rewrite_grouped_gemm():
+    """The grouped_gemm package's backend module, or None when it is not installed."""
+    try:
+        from grouped_gemm import backend
+    except ImportError:
+        return None
+    return backend
+
+
+def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
+    """One grouped GEMM over rows sorted by expert; `offsets` holds the cumulative row counts per expert (int32).
+
+    mode "fwd":   a (rows, in),  b (E, out, in) -> (rows, out), each row times its expert's weight transposed
+    mode "dgrad": a (rows, out), b (E, out, in) -> (rows, in)
+    mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
+    """
+    if kernel == "torch":
+        if mode == "fwd":
+            return torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+        if mode == "dgrad":
+            return torch._grouped_mm(a, b, offs=offsets)
+        return torch._grouped_mm(a.t(), b, offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).cpu()
+    if kernel == "grouped_gemm":
+        gg = _moe_rewrite_grouped_gemm()
+        counts = counts.long()
+        if mode == "fwd":
+            return gg.gmm(a, b, counts, trans_b=True)
+        if mode == "dgrad":
+            return gg.gmm(a, b, counts)
+        return gg.gmm(a, b, counts, trans_a=True)
+    # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype.
+    a_parts = a.split(counts.tolist())
+    if mode == "fwd":
+        return torch.cat([part @ w.t() for part, w in zip(a_parts, b)])
+    if mode == "dgrad":
+        return torch.cat([part @ w for part, w in zip(a_parts, b)])
+    return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b.split(counts.tolist()))])
+
+
+class _MoeRewriteExpertWeight:
+    """The weight source of one (E, out, in) tensor (a fused experts parameter): autograd connects the tensor itself,
+    the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
+
+    def __init__(self, weight):
+        self.weight = weight
+        self.tensors = (weight,)
+
+    def stacked(self, dtype):
+        return self.weight.to(dtype)
+
+    def grads(self, compute):
+        return (compute().to(self.weight.dtype),)
+
+
+class _MoeRewriteGroupedLinear(torch.autograd.Function):
+    """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
+
+    `source` is a weight source (see the top of this block) and `tensors` its `source.tensors`, the inputs autograd
+    connects this node to. With keep_stacked False, a stacked weight that is not one of those tensors is rebuilt in
+    backward instead of being kept alive between forward and backward (lower peak memory).
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, kernel, keep_stacked, source, *tensors):
+        stacked = source.stacked(x.dtype)
+        ctx.kernel, ctx.source = kernel, source
+        # A tensor used as it is costs nothing to keep (autograd saves nn.Linear's weight the same way).
+        keep = keep_stacked or any(stacked is t for t in tensors)
+        ctx.save_for_backward(x, offsets, stacked if keep else None)
+        return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, stacked = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if stacked is None:
+                stacked = ctx.source.stacked(x.dtype)
+            grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
+            del stacked  # a rebuilt copy is freed before the weight gradients are allocated
+        tensor_grads = ctx.needs_input_grad[5:]  # after x, offsets, kernel, keep_stacked, source
+        grads = (None,) * len(tensor_grads)
+        if any(tensor_grads):
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad"))
+        return (grad_x, None, None, None, None, *grads)
+
+
+def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source):
+    return _MoeRewriteGroupedLinear.apply(x, offsets, kernel, keep_stacked, source, *source.tensors)
+
+
+class _MoeRewriteGather(torch.autograd.Function):
+    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
+
+    Backward un-sorts the row gradients (a permutation, no atomics) and sums each token's top_k rows: deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
+
+
+def _moe_rewrite_combine(y, topk_ids, topk_weight):
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
+
+    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
+    """
+    dtype = torch.promote_types(y.dtype, topk_weight.dtype)
+    return (y.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
+    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn), two weight sources
+    (gate and up concatenated along the output dim, so one GEMM runs both) and the activation."""
+    gate_up_w, down_w, act_fn = weights
+    flat_ids = topk_ids.reshape(-1)
+    # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
+    order = flat_ids.argsort(stable=True)
+    # Cumulative row counts per expert, computed on the device: no host sync.
+    experts = torch.arange(num_experts, device=flat_ids.device)
+    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
+    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
+    # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
+    # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
+    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_up_w).chunk(2, dim=-1)
+    out = _moe_rewrite_linear(act_fn(gate) * up, offsets, kernel, keep_stacked, down_w)
+    # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
+    out = torch.empty_like(out).index_copy(0, order, out)
+    return _moe_rewrite_combine(out, topk_ids, topk_weight)
+
+
+def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
+    """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
+    cannot read (LoRA-wrapped or quantized projections, DeepSpeed ZeRO-3 partitions)."""
+    flat_ids = topk_ids.view(-1)
+    x = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    y = torch.empty_like(x)
+    for i, expert in enumerate(experts):
+        y[flat_ids == i] = expert(x[flat_ids == i])
+    return _moe_rewrite_combine(y, topk_ids, topk_weight)
+
+
+class _MoeRewriteFusedExperts(torch.nn.Module):
+    """The routed experts as two parameters, made by the MoE layer's moe_rewrite_fuse_experts():
+    gate_up_proj (E, 2 * intermediate, hidden) holds every expert's gate_proj then up_proj weight, down_proj
+    (E, hidden, intermediate) every expert's down_proj weight.
+
+    The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
+    3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
+    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() uses
+    the parameters' own names, as FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the
+    checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
+    """
+
+    def __init__(self, act_fn, gate_w, up_w, down_w):
+        super().__init__()
+        self.act_fn = act_fn
+        gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
+        self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
+
+    def __len__(self):
+        return self.gate_up_proj.shape[0]
+
+    def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"expert {index} out of range for {len(self)} experts")
+        return _MoeRewriteFusedExpert(self, index % len(self))
+
+    def __iter__(self):
+        return (_MoeRewriteFusedExpert(self, i) for i in range(len(self)))
+
+    def extra_repr(self):
+        experts, double_inter, hidden = self.gate_up_proj.shape
+        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
+
+    def moe_rewrite_weights(self):
+        """(gate_up, down, act_fn) for the grouped-GEMM core: the two parameters as weight sources."""
+        if torch.is_grad_enabled() and not self.gate_up_proj.requires_grad:
+            _moe_rewrite_warn_frozen()
+        return _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj), self.act_fn
+
+
+class _MoeRewriteFusedExpert:
+    """Expert `index` of fused experts, called like the expert MLP it replaced: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, experts, index):
+        self.experts, self.index = experts, index
+
+    def __call__(self, x):
+        experts = self.experts
+        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[self.index]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
+
+
+def _moe_rewrite_linear_weights(experts):
+    """The per-expert layers' gate, up and down weights as three lists; None when an expert must be called as a module:
+    projections that are not plain nn.Linear layers (LoRA adapters, quantized layers), or weights that are not there in
+    full (DeepSpeed ZeRO-3 gathers them in the module's own forward hook).
+    """
+    names = ("gate_proj", "up_proj", "down_proj")
+    # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
+    # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
+    modules = [[e._modules.get(name) for e in experts] for name in names]
+    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
+        return None
+    weights = tuple(
+        [m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules
+    )
+    first, last = modules[0][0], modules[2][-1]
+    if weights[0][0].shape != (first.out_features, first.in_features):
+        return None
+    if weights[2][-1].shape != (last.out_features, last.in_features):
+        return None
+    return weights
+
+
+def _moe_rewrite_warn_frozen():
+    """Fused experts are trained frozen: say so (once per process, by the warnings module's own filter), as LoRA
+    (PEFT's target_modules) silently skips them."""
+    import warnings
+
+    warnings.warn(
+        "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
+        "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
+        stacklevel=4,
+    )
+
+
+def _moe_rewrite_warn_unfused():
+    """Experts that could be fused but are not run through the per-expert loop: say so, once per process."""
+    import warnings
+
+    warnings.warn(
+        "moe-rewrite: these routed experts are not fused, so they train through the slow per-expert loop; fuse them "
+        "with moe_rewrite.training.fuse_experts(model), or rewrite with --no-fuse-experts to train them as they are",
+        stacklevel=4,
+    )
+
+
+def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
+    """The (E, 2 * intermediate, hidden) gate_up and (E, hidden, intermediate) down tensors holding the experts'
+    weights, in the first weight's dtype and device (filled in place: no per-expert temporaries)."""
+    experts, (inter, hidden) = len(gate_w), gate_w[0].shape
+    first = gate_w[0]
+    with torch.no_grad():
+        gate_up = torch.empty(experts, 2 * inter, hidden, dtype=first.dtype, device=first.device)
+        down = torch.empty(experts, hidden, inter, dtype=first.dtype, device=first.device)
+        for i in range(experts):
+            gate_up[i, :inter].copy_(gate_w[i])
+            gate_up[i, inter:].copy_(up_w[i])
+            down[i].copy_(down_w[i])
+    return gate_up, down
+
+
+def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, *args):
+    """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
+    a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
+    some are reported missing."""
+    projections = ("gate_proj", "up_proj", "down_proj")
+    keys = [(i, proj, f"{prefix}{i}.{proj}.weight") for i in range(len(module)) for proj in projections]
+    found = [key for key in keys if key[2] in state_dict]
+    if not found:
+        return
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.is_meta or type(gate_up) is not torch.nn.Parameter:
+        # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.
+        if len(found) == len(keys):
+            tensors = [state_dict.pop(key) for _, _, key in keys]
+            gate_up, down = _moe_rewrite_stack_experts(tensors[0::3], tensors[1::3], tensors[2::3])
+            for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
+                param = getattr(module, name)
+                if hasattr(param, "device_mesh"):  # every rank holds the full tensor: keep this rank's shard
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+                state_dict[prefix + name] = value
+        return
+    inter = down.shape[2]
+    with torch.no_grad():
+        for i, proj, key in found:
+            value = state_dict.pop(key)
+            target = (
+                down[i] if proj == "down_proj" else gate_up[i, :inter] if proj == "gate_proj" else gate_up[i, inter:]
+            )
+            if value.shape != target.shape:
+                raise RuntimeError(f"moe-rewrite: {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+            target.copy_(value)
+    loaded = {key for _, _, key in found}
+    missing_keys.extend(key for _, _, key in keys if key not in loaded)
+    # What was copied counts as loaded, the fused names are not reported missing.
+    state_dict.setdefault(prefix + "gate_up_proj", gate_up.detach())
+    state_dict.setdefault(prefix + "down_proj", down.detach())
+
+
+def _moe_rewrite_unfuse_state_dict(state_dict, model):
+    """For save_pretrained: the state dict (the model's own when None) with every fused experts' gate_up_proj /
+    down_proj pair written as the checkpoint's per-expert keys, as CPU copies; None when the model's own state dict
+    holds no fused experts (save_pretrained then writes it as usual)."""
+    own = state_dict is None
+    if own:
+        state_dict = model.state_dict()
+    fused = [key[: -len("gate_up_proj")] for key in state_dict if key.endswith("experts.gate_up_proj")]
+    fused = {prefix for prefix in fused if prefix + "down_proj" in state_dict}
+    if own and not fused:
+        return None
+    unfused = {}
+    for key, value in state_dict.items():
+        prefix, _, name = key.rpartition(".")
+        prefix += "."
+        if prefix in fused and name == "down_proj":
+            continue  # written with its gate_up_proj
+        if prefix not in fused or name != "gate_up_proj":
+            unfused[key] = value
+        else:
+            down = state_dict[prefix + "down_proj"].detach()
+            value, inter = value.detach(), down.shape[2]
+            for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
+                unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
+    return unfused
+
+
+def _moe_rewrite_save_code(model, directory):
+    """Copy the modeling file `model` runs (this patched file) and its configuration file beside the weights that
+    save_pretrained wrote: transformers writes only the configuration file of remote code, so Trainer checkpoints and
+    merged adapters would not reload with trust_remote_code."""
+    import os
+    import shutil
+    import sys
+
+    for cls in (type(model), type(model.config)):
+        source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if source is None:
+            continue
+        target = os.path.join(directory, os.path.basename(source))
+        if not (os.path.exists(target) and os.path.samefile(source, target)):
+            shutil.copyfile(source, target)
+
+
+def _moe_rewrite_fuse_model(model, loading=False):
+    """Fuse the routed experts of every MoE layer that can be fused (on loading).
+
+    Layers whose experts cannot be fused (quantized or adapter-wrapped projections, DeepSpeed ZeRO-3 partitions,
+    weights offloaded to the meta device) stay as they are, with one warning. MOE_REWRITE_FUSE_EXPERTS=0 turns it off.
+    `loading`: the model is being built for a loader that fills the fused parameters, so meta weights are fused too.
+    """
+    import os
+    import warnings
+
+    if os.environ.get("MOE_REWRITE_FUSE_EXPERTS", "1") == "0":
+        return model
+    kept = []
+    for name, module in model.named_modules():
+        if callable(getattr(module, "moe_rewrite_fuse_experts", None)):
+            try:
+                module.moe_rewrite_fuse_experts(allow_meta=loading)
+            except (RuntimeError, NotImplementedError) as error:
+                kept.append(f"{name}: {error}")
+    if kept:
+        warnings.warn(f"moe-rewrite: {len(kept)} MoE layers keep per-expert weights ({kept[0]})", stacklevel=2)
+    return model
+
+
+def _moe_rewrite_loader_fuses_experts(config):
+    """Whether this transformers' from_pretrained may merge per-expert checkpoint keys into fused ones for this remote
+    code: 5.0 to 5.12 apply their deepseek_v2/v3 conversion to models of that model_type (5.0.0 always, 5.12 when the
+    model has fused parameters); 5.13 skips remote code."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return major == 5 and minor < 13 and getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+
+
+def _moe_rewrite_checkpoint_layer(checkpoint, layer, *args, **kwargs):
+    """Run one decoder layer under transformers' gradient-checkpointing function.
+
+    Positional arguments (the hidden states) go through the checkpoint; keyword arguments are bound first, because
+    reentrant checkpointing, transformers' default, takes no keyword arguments.
+    """
+    import functools
+
+    return checkpoint(functools.partial(layer.__call__, **kwargs), *args)
+
+
+def _moe_rewrite_cache_max_length(cache):
+    """Cache.get_max_length() as of transformers 4.46: the most tokens the cache holds, None when it grows without
+    limit (4.48 renamed it get_max_cache_shape; 4.56+ and 5.x answer -1 for no limit)."""
+    if not getattr(cache, "layers", True):  # 5.x: a DynamicCache builds its layers lazily and has no limit
+        return None
+    getter = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
+    length = getter()
+    return None if length is None or length < 0 else length
+
+
+def _moe_rewrite_cache_usable_length(cache, new_seq_length, layer_idx=0):
+    """Cache.get_usable_length (removed in 4.56): how many cached tokens of layer_idx the new tokens attend to."""
+    if hasattr(cache, "get_usable_length"):
+        return cache.get_usable_length(new_seq_length, layer_idx)
+    max_length = _moe_rewrite_cache_max_length(cache)
+    previous = cache.get_seq_length(layer_idx)
+    if max_length is not None and previous + new_seq_length > max_length:
+        return max_length - new_seq_length
+    return previous
+
+
+def _moe_rewrite_cache_seen_tokens(cache):
+    """Cache.seen_tokens (removed in 4.56): the tokens the cache has seen, its length for a DynamicCache."""
+    seen = getattr(cache, "seen_tokens", None)
+    return cache.get_seq_length() if seen is None else seen
+
+
+def _moe_rewrite_cache_from_legacy(cache_class, past_key_values):
+    """cache_class.from_legacy_cache (removed in 5.0): a cache holding legacy ((key, value), ...) tuples."""
+    if hasattr(cache_class, "from_legacy_cache"):
+        return cache_class.from_legacy_cache(past_key_values)
+    cache = cache_class()
+    for layer_idx, (key, value) in enumerate(past_key_values or ()):
+        cache.update(key, value, layer_idx)
+    return cache
+
+
+def _moe_rewrite_cache_to_legacy(cache):
+    """Cache.to_legacy_cache (removed in 5.0): the cache as ((key, value), ...) tuples, one per layer."""
+    if hasattr(cache, "to_legacy_cache"):
+        return cache.to_legacy_cache()
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+def _moe_rewrite_rope_scaling(config):
+    """config.rope_scaling as transformers 4.x gives it: None for plain RoPE. transformers 5 fills a missing
+    rope_scaling in as {"rope_type": "default", "rope_theta": ...}, which the file would read as a scaling and fail
+    on its "type" key; a real scaling keeps its "type" (5.x adds "rope_type" beside it), so it passes unchanged."""
+    scaling = config.rope_scaling
+    if isinstance(scaling, dict) and "type" not in scaling and scaling.get("rope_type") == "default":
+        return None
+    return scaling
+
+
+def _moe_rewrite_generation_position_ids(position_ids, input_ids):
+    """The position ids of the tokens in `input_ids`. transformers 5.12 and 5.13 (measured; not 5.0 or 5.24) pass
+    generate()'s position ids for the whole sequence so far, where earlier releases passed none and the file computed
+    them; the file slices only the ones it computes, so after the first step they would not match the uncached
+    tokens."""
+    if position_ids is not None and position_ids.shape[-1] > input_ids.shape[-1]:
+        return position_ids[..., -input_ids.shape[-1] :]
+    return position_ids
+
+
+def _moe_rewrite_loaded(module):
+    """Whether transformers loaded every parameter of `module` itself (not its children) from the checkpoint: 5.x
+    marks loaded parameters `_is_hf_initialized`, and 4.x marks none, so there _init_weights runs as before."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and all(getattr(p, "_is_hf_initialized", False) for p in params)
+
+
+def _moe_rewrite_records_init(*classes):
+    """Make each instance of these classes (the file's modules with non-persistent buffers: the RoPE tables) keep the
+    arguments it was built with, so _moe_rewrite_restore_buffers can build a fresh copy. The outermost __init__
+    records, so a subclass keeps its own arguments, not those it passes to super().__init__."""
+    import functools
+
+    def recording(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            self.__dict__.setdefault("_moe_rewrite_init_args", (args, kwargs))
+            init(self, *args, **kwargs)
+
+        return __init__
+
+    for cls in classes:
+        cls.__init__ = recording(cls.__init__)
+
+
+def _moe_rewrite_restore_buffers(module):
+    """Recompute the non-persistent buffers of a module of a class given to _moe_rewrite_records_init, from a fresh copy
+    built on the CPU. transformers 5 builds the model on the meta device and then fills non-persistent buffers with
+    uninitialised memory (torch.empty_like), since no checkpoint holds them (huggingface/transformers#48892); the
+    RoPE tables would hold garbage. On 4.x the fresh copy has the values the module already holds."""
+    recorded = module.__dict__.get("_moe_rewrite_init_args")
+    names = [name for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None]
+    if recorded is None or not names:
+        return
+    args, kwargs = recorded
+    with torch.device("cpu"):
+        fresh = type(module)(*args, **kwargs)
+    with torch.no_grad():
+        for name in names:
+            old, new = module._buffers[name], fresh._buffers[name]
+            if old.shape == new.shape:
+                old.copy_(new)
+            else:  # the module grew the table since: start again from the fresh one's size
+                module._buffers[name] = new.to(device=old.device, dtype=old.dtype)
+                module.__dict__.update({k: v for k, v in fresh.__dict__.items() if type(v) in (int, float)})
+
+# ---- in class _MoeRewriteFusedExperts:
+
+def moe_rewrite_weights(self):
+    """(gate_up, down, act_fn) for the grouped-GEMM core: the two parameters as weight sources."""
+    if torch.is_grad_enabled() and not self.gate_up_proj.requires_grad:
+        _moe_rewrite_warn_frozen()
+    return _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj), self.act_fn
+
+# ---- in class DeepseekV3MoE:
+
+# moe-rewrite: generated method, regenerated on every run
+def moe_train(self, x, topk_ids, topk_weight):
+    """Routed experts in training mode (helpers: the moe-rewrite block above this class).
+
+        x: (tokens, hidden); topk_ids, topk_weight: (tokens, top_k). Returns the weighted sum of each token's expert
+        outputs in the promoted dtype of x and topk_weight, exactly what a loop over the experts computes, with
+        autograd.
+        The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
+        """
+    if self.ep_size > 1:
+        raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
+    dtype = _moe_rewrite_compute_dtype(x)
+    kernel = _moe_rewrite_kernel(x.device, dtype)
+    weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
+    if weights is None:
+        return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
+    return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self.experts), kernel, dtype)
+
+# ---- in class DeepseekV3MoE:
+
+# moe-rewrite: generated method, regenerated on every run
+def moe_rewrite_expert_weights(self):
+    """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn), or None: the per-expert loop runs
+        (experts that are not fused: wrapped by LoRA, quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
+    experts = self.experts
+    if isinstance(experts, _MoeRewriteFusedExperts):
+        return experts.moe_rewrite_weights()
+    if _moe_rewrite_linear_weights(experts) is not None:
+        _moe_rewrite_warn_unfused()
+    return None
+
+# ---- in class DeepseekV3MoE:
+
+# moe-rewrite: generated method, regenerated on every run
+def moe_rewrite_fuse_experts(self, allow_meta=False):
+    """Hold the routed experts' weights in two parameters instead of 3 * E nn.Linear weights (see
+        _MoeRewriteFusedExperts): faster training, most of all under FSDP.
+
+        Call it once the weights are loaded and before the model is wrapped (FSDP, DDP, DeepSpeed) or handed to an
+        optimizer; moe_rewrite.training.fuse_experts(model) does it for every layer. Returns the fused experts; calling
+        it again does nothing. Outputs and gradients stay the same; save_pretrained still writes per-expert keys.
+        `allow_meta`: fuse meta-device weights too, for a loader that fills the fused parameters.
+        """
+    experts = self.experts
+    if isinstance(experts, _MoeRewriteFusedExperts):
+        return experts
+    if self.ep_size > 1:
+        raise NotImplementedError("moe-rewrite: fused experts do not support expert parallelism (ep_size > 1) yet")
+    weights = _moe_rewrite_linear_weights(experts)
+    if weights is None:
+        raise RuntimeError(
+            "moe-rewrite: only experts made of plain, whole nn.Linear layers can be fused (not LoRA adapters, "
+            "quantized layers or DeepSpeed ZeRO-3 partitions)"
+        )
+    flat = [w for part in weights for w in part]
+    if getattr(self, "_is_fsdp_managed_module", False) or any(type(w) is not torch.nn.Parameter for w in flat):
+        raise RuntimeError("moe-rewrite: fuse the experts before wrapping the model (FSDP, DDP, DeepSpeed)")
+    # accelerate's dispatch (device_map) marks the modules it moves or offloads with `_hf_hook` (its own,
+    # undocumented attribute: accelerate has no public "is this module dispatched" query).
+    if any(hasattr(m, "_hf_hook") for m in experts.modules()):
+        raise RuntimeError("moe-rewrite: experts dispatched or offloaded by accelerate (device_map) are not fused")
+    if not allow_meta and any(w.is_meta for w in flat):
+        raise RuntimeError("moe-rewrite: the expert weights are on the meta device; fuse them once they are loaded")
+    if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
+        raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
+    self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
+    return self.experts
+
+# ---- in class DeepseekV3PreTrainedModel:
+
+# moe-rewrite: generated method, regenerated on every run
+def save_pretrained(self, save_directory, *args, **kwargs):
+    """Save as PreTrainedModel.save_pretrained does, fused routed experts written as per-expert keys (moe-rewrite);
+        a `state_dict` passed in (a full state dict gathered from FSDP, say) is converted the same way; the patched
+        modeling file and the files it imports are written beside the weights."""
+    writes = args[0] if args else kwargs.get("is_main_process", True)
+    if not writes:
+        pass  # this process writes nothing
+    elif len(args) > 1:  # state_dict passed by position, after is_main_process
+        args = (args[0], _moe_rewrite_unfuse_state_dict(args[1], self), *args[2:])
+    else:
+        kwargs["state_dict"] = _moe_rewrite_unfuse_state_dict(kwargs.get("state_dict"), self)
+    result = super().save_pretrained(save_directory, *args, **kwargs)
+    if writes:
+        _moe_rewrite_save_code(self, save_directory)
+    return result
+
+# ---- in class DeepseekV3PreTrainedModel:
+
+# moe-rewrite: generated method, regenerated on every run
+@classmethod
+def from_pretrained(cls, *args, **kwargs):
+    """Load as PreTrainedModel.from_pretrained does, then fuse the routed experts."""
+    wants_info = kwargs.get("output_loading_info", False)
+    model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
+    unexpected = info.get("unexpected_keys", ())
+    fused_keys = [k for k in unexpected if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    if fused_keys:
+        # from_pretrained reads per-expert keys only: these experts would be left randomly initialised.
+        raise RuntimeError(
+            f"moe-rewrite: the checkpoint holds fused expert weights ({fused_keys[0]}, ...), which from_pretrained "
+            "does not load; write it with save_pretrained, or convert its state dict with "
+            "moe_rewrite.training.unfuse_state_dict(model, state_dict)"
+        )
+    _moe_rewrite_fuse_model(model)
+    return (model, info) if wants_info else model
+
+# ---- in class DeepseekV3PreTrainedModel:
+
+# moe-rewrite: generated method, regenerated on every run
+def post_init(self):
+    """PreTrainedModel.post_init; where transformers' from_pretrained itself merges the checkpoint's per-expert keys
+        into gate_up_proj / down_proj (5.0 to 5.12 do for deepseek_v2/v3 remote code), the routed experts are fused
+        here, before loading, so that those keys land in them."""
+    super().post_init()
+    if _moe_rewrite_loader_fuses_experts(self.config):
+        _moe_rewrite_fuse_model(self, loading=True)
+
+# ---- in class DeepseekV3PreTrainedModel:
+
+# moe-rewrite: generated method, regenerated on every run
+@classmethod
+def _from_config(cls, config, **kwargs):
+    """Build as PreTrainedModel._from_config does, then fuse the routed experts."""
+    return _moe_rewrite_fuse_model(super()._from_config(config, **kwargs))

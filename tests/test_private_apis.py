@@ -1,0 +1,147 @@
+"""Every private torch / transformers / accelerate surface the generated code relies on, with the behaviour it relies
+on: if a release changes one, a test here fails (the reason each is used stands beside it in templates/).
+
+Public replacements were taken where they exist (nn.Module.register_load_state_dict_pre_hook); what is left has none.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import ROOT  # noqa: E402
+
+TEMPLATES = ROOT / "templates"
+
+
+def test_the_private_surfaces_in_templates_are_the_ones_tested_here():
+    """A new private name in the generated code needs its own test below (and a reason beside it)."""
+    code = "\n".join(p.read_text() for p in TEMPLATES.glob("*.py"))
+    used = set(re.findall(r"(?:torch\._C\.|torch\.|\.)(_[a-z][a-z_]+)\b", code))
+    ours = {name for name in used if name.startswith("_moe_rewrite")}
+    tested = {
+        "_grouped_mm",
+        "_will_engine_execute_node",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "_foreach_add_",
+        "_modules",
+        "_parameters",
+        "_current_graph_task_id",
+        "_buffers",
+        "_non_persistent_buffers_set",
+        "_from_config",
+    }
+    assert used - ours <= tested, f"untested private names in templates/: {sorted(used - ours - tested)}"
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
+def test_grouped_mm_multiplies_each_expert_slice_by_its_own_weight():
+    """grouped_gemm.py: torch's only grouped GEMM (transformers' grouped_mm experts use it too)."""
+    a, b = torch.randn(7, 4), torch.randn(3, 5, 4)
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 gets no rows
+    out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
+    expected = torch.cat([a[:2] @ b[0].t(), a[2:7] @ b[2].t()])
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_will_engine_execute_node_tells_backward_from_autograd_grad():
+    """per_expert.py: direct gradients are written only by a backward that accumulates into this weight."""
+    weight, x = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    node = torch.autograd.graph.get_gradient_edge(weight).node
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            return x * weight
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch._C._will_engine_execute_node(node))
+            return grad, grad
+
+    Probe.apply(x, weight).sum().backward()
+    torch.autograd.grad(Probe.apply(x, weight).sum(), [x])
+    assert seen == [True, False]
+
+
+def test_tensor_hook_attributes_show_registered_hooks():
+    """per_expert.py: weights with tensor hooks get their gradients through autograd."""
+    weight = torch.nn.Parameter(torch.randn(2))
+    assert not weight._backward_hooks and getattr(weight, "_post_accumulate_grad_hooks", None) is None
+    weight.register_hook(lambda grad: grad)
+    assert weight._backward_hooks
+    other = torch.nn.Parameter(torch.randn(2))
+    other.register_post_accumulate_grad_hook(lambda p: None)
+    assert other._post_accumulate_grad_hooks is not None
+
+
+def test_foreach_add_adds_in_place():
+    """per_expert.py: one multi-tensor add accumulates every expert's gradient (torch's optimizers use it so)."""
+    a, b = [torch.ones(2), torch.zeros(3)], [torch.full((2,), 2.0), torch.ones(3)]
+    torch._foreach_add_(a, b)
+    assert torch.equal(a[0], torch.full((2,), 3.0)) and torch.equal(a[1], torch.ones(3))
+
+
+def test_module_dicts_hold_submodules_and_parameters():
+    """fused_experts.py: plain dict lookups instead of nn.Module.__getattr__ (a microsecond each, 6 * E per step)."""
+    mlp = torch.nn.Sequential()
+    mlp.gate_proj = torch.nn.Linear(2, 3, bias=False)
+    assert mlp._modules["gate_proj"] is mlp.gate_proj
+    assert mlp.gate_proj._parameters["weight"] is mlp.gate_proj.weight
+
+
+def test_current_graph_task_id_is_set_only_inside_backward():
+    """bias_update.py: tokens recomputed by gradient checkpointing (inside backward) are not counted twice."""
+    inside = []
+    x = torch.randn(2, requires_grad=True)
+    x.register_hook(lambda grad: inside.append(torch._C._current_graph_task_id()) or grad)
+    assert torch._C._current_graph_task_id() == -1
+    (x * 2).sum().backward()
+    assert inside and inside[0] != -1
+
+
+def test_non_persistent_buffers_are_listed_by_name():
+    """init_weights.py: transformers 5.x leaves non-persistent buffers unset; they are found and refilled by name."""
+    module = torch.nn.Module()
+    module.register_buffer("inv_freq", torch.ones(2), persistent=False)
+    module.register_buffer("kept", torch.ones(2))
+    assert module._non_persistent_buffers_set == {"inv_freq"}
+    assert module._buffers["inv_freq"] is module.inv_freq
+
+
+def test_pretrained_model_builds_from_config_through_from_config():
+    """fused_loading.py: AutoModel.from_config calls the model class's _from_config, which the file overrides."""
+    transformers = pytest.importorskip("transformers")
+    calls = []
+
+    class Config(transformers.PretrainedConfig):
+        model_type = "moe-rewrite-probe"
+
+    class Model(transformers.PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.linear = torch.nn.Linear(2, 2)
+            self.post_init()
+
+        @classmethod
+        def _from_config(cls, config, **kwargs):
+            calls.append(cls)
+            return super()._from_config(config, **kwargs)
+
+    transformers.AutoModel.register(Config, Model)
+    assert isinstance(transformers.AutoModel.from_config(Config()), Model) and calls == [Model]
+
+
+def test_accelerate_marks_dispatched_modules_with_hf_hook():
+    """fused_experts.py: experts that accelerate dispatched (device_map) are not fused; it marks them `_hf_hook`."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    module = torch.nn.Linear(2, 2)
+    hooks.add_hook_to_module(module, hooks.ModelHook())
+    assert hasattr(module, "_hf_hook")

@@ -1,0 +1,165 @@
+"""The generated runtime as Python modules (templates/), before any file is rewritten: each part against an explicit
+per-expert float64 reference, gradients included. The rewritten files run the same code (test_training.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from templates import fused_checkpoint, fused_experts, grouped_gemm, per_expert  # noqa: E402
+
+ACT = torch.nn.functional.silu
+
+
+class Expert(torch.nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.act_fn = ACT
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def tiny_moe(layout, experts=6, hidden=8, inter=5):
+    """A MoE layer made of the runtime's own MoE-class methods: moe_train (the core) and the seam of `layout`."""
+    seam = per_expert.MoE if layout == "per_expert" else fused_experts.MoE
+
+    class TinyMoE(grouped_gemm.MoE, seam, torch.nn.Module):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.ep_size = 1
+            self.experts = torch.nn.ModuleList(Expert(hidden, inter) for _ in range(experts))
+
+    moe = TinyMoE().double()
+    if layout == "fused":
+        moe.moe_rewrite_fuse_experts()
+    return moe
+
+
+def reference(experts, x, ids, w):
+    """Token by token, expert by expert: sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            out[t] = out[t] + w[t, j] * experts[int(ids[t, j])](x[t : t + 1])[0]
+    return out
+
+
+def routing(tokens, experts, k):
+    ids = torch.stack([torch.randperm(experts - 2)[:k] for _ in range(tokens)])  # the last two experts get nothing
+    return ids, torch.rand(tokens, k, dtype=torch.float64)
+
+
+def expert_params(moe):
+    if isinstance(moe.experts, fused_experts._MoeRewriteFusedExperts):
+        return [moe.experts.gate_up_proj, moe.experts.down_proj]
+    return [p for e in moe.experts for p in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_moe_train_equals_the_per_expert_reference_with_gradients(layout, tokens):
+    moe = tiny_moe(layout)
+    x = torch.randn(tokens, 8, dtype=torch.float64, requires_grad=True)
+    ids, w = routing(tokens, 6, 2)
+    w.requires_grad_(True)
+    leaves = [x, w, *expert_params(moe)]
+
+    def grads_of(y):  # backward(), as training runs it (the per-expert layout writes weight gradients itself)
+        for leaf in leaves:
+            leaf.grad = None
+        (y * probe).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    y = moe.moe_train(x, ids, w)
+    probe = torch.randn_like(y)
+    grads = grads_of(y)
+    expected = reference(moe.experts, x, ids, w)
+    expected_grads = grads_of(expected)
+    assert torch.allclose(y, expected, atol=1e-12)
+    for got, want in zip(grads, expected_grads):  # the reference leaves unused experts' gradients None
+        assert torch.allclose(got, torch.zeros_like(got) if want is None else want, atol=1e-12)
+    if layout == "fused":  # empty experts get exact zeros
+        assert torch.count_nonzero(grads[2][-2:]) == 0 and torch.count_nonzero(grads[3][-2:]) == 0
+
+
+@pytest.mark.parametrize("kernel", ["sorted", "torch"])
+def test_grouped_linear_passes_gradcheck(kernel):
+    if kernel == "torch" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm needs torch >= 2.8")
+    if kernel == "torch":  # torch._grouped_mm: bf16 / fp32 only, 16-byte strides; compared with float64 instead
+        x, weight = torch.randn(7, 8, requires_grad=True), torch.randn(3, 12, 8, requires_grad=True)
+    else:
+        x, weight = (
+            torch.randn(7, 4, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True),
+        )
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
+
+    def linear(x, weight):
+        return grouped_gemm._moe_rewrite_linear(x, offsets, kernel, True, grouped_gemm._MoeRewriteExpertWeight(weight))
+
+    if kernel == "sorted":
+        assert torch.autograd.gradcheck(linear, (x, weight))
+    else:
+        y = linear(x, weight)
+        x64, w64 = x.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+        ref = torch.cat([x64[:2] @ w64[0].t(), x64[2:] @ w64[2].t()])
+        probe = torch.randn_like(ref)
+        got = torch.autograd.grad((y * probe.float()).sum(), [x, weight])
+        want = torch.autograd.grad((ref * probe).sum(), [x64, w64])
+        assert torch.allclose(y.double(), ref, atol=1e-4)
+        for g, r in zip(got, want):
+            assert torch.allclose(g.double(), r, atol=1e-4)
+        assert torch.count_nonzero(got[1][1]) == 0
+
+
+def test_per_expert_weights_in_one_buffer_are_viewed_not_copied():
+    moe = tiny_moe("per_expert")
+    params = expert_params(moe)
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    gate_w, up_w, down_w = fused_experts._moe_rewrite_linear_weights(moe.experts)
+    stacked = per_expert._MoeRewriteExpertLinears(gate_w + up_w, 2).stacked(torch.float64)
+    assert stacked.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    for i, e in enumerate(moe.experts):
+        assert torch.equal(stacked[i], torch.cat([e.gate_proj.weight, e.up_proj.weight]))
+    copied = per_expert._MoeRewriteExpertLinears(down_w[::-1], 1).stacked(torch.float64)  # not at a fixed stride
+    assert copied.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+
+
+def test_kernel_choice_and_settings_are_read_once_per_process(monkeypatch):
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
+    cpu = torch.device("cpu")
+    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "loop"
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "torch")  # too late: this process has chosen
+    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "loop"
+    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float64) == "loop"  # the setting was read once too
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "sorted"  # "torch" falls back off sm90
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+
+
+def test_fused_checkpoint_keys_round_trip():
+    moe = tiny_moe("per_expert")
+    per_expert_state = {f"experts.{k}": v for k, v in moe.experts.state_dict().items()}
+    fused = tiny_moe("fused")
+    fused.load_state_dict(per_expert_state)  # the pre-hook merges the per-expert keys
+    x = torch.randn(5, 8, dtype=torch.float64)
+    ids, w = routing(5, 6, 2)
+    assert torch.allclose(fused.moe_train(x, ids, w), moe.moe_train(x, ids, w), atol=1e-12)
+    unfused = fused_checkpoint._moe_rewrite_unfuse_state_dict(None, fused)
+    assert unfused.keys() == per_expert_state.keys()
+    assert all(torch.equal(unfused[k], v) for k, v in per_expert_state.items())
+    assert fused_checkpoint._moe_rewrite_unfuse_state_dict(None, moe) is None  # nothing fused: saved as it is
