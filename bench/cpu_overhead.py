@@ -22,7 +22,9 @@ import bench_moe as b  # noqa: E402
 
 out = Path(os.environ.get("OUT", "bench/out"))
 out.mkdir(parents=True, exist_ok=True)
-modeling, configuration = b.import_patched(b.rewrite_fixture(Path(tempfile.mkdtemp()) / "patched_cpu"), "patched_cpu")
+modeling, configuration = b.import_patched(
+    b.rewrite_fixture(Path(tempfile.mkdtemp()) / "patched_cpu", "--no-fuse-experts"), "patched_cpu"
+)
 cfg = b.CONFIGS[sys.argv[1] if len(sys.argv) > 1 else "seed"]
 config = configuration.DeepseekV3Config(
     hidden_size=cfg["H"],
@@ -64,12 +66,12 @@ for label, fn in [("forward only", lambda: step(False)), ("forward+backward", st
     print(f"{label:18} host {host:6.2f} ms/step, wall {wall:6.2f} ms/step")
 t = time.perf_counter()
 for _ in range(20):
-    modeling._moe_rewrite_expert_weights(moe.experts)
-print(f"expert weight lists: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
-gate_w, up_w, down_w = modeling._moe_rewrite_expert_weights(moe.experts)
+    moe.moe_rewrite_expert_weights()
+print(f"expert weight sources: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
+gate_up, down, _ = moe.moe_rewrite_expert_weights()
 t = time.perf_counter()
 for _ in range(20):
-    modeling._moe_rewrite_stack(gate_w + up_w, 2, torch.bfloat16)
+    gate_up.stacked(torch.bfloat16)
 print(f"stack gate+up (host): {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
