@@ -120,7 +120,7 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     type=click.Choice(BACKENDS),
     default="auto",
     show_default=True,
-    help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND overrides it at run time).",
+    help="Grouped-GEMM backend written into the file (MOE_REWRITE_BACKEND, read once per process, overrides it).",
 )
 @click.option(
     "--stacking",

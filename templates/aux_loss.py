@@ -1,4 +1,4 @@
-"""Module-level helpers for `--aux-loss` (V3 form), added to the moe-rewrite block after moe_train_block.py."""
+"""The sequence-wise balance loss for `--aux-loss` (V3 form), attached to the MoE output for backward."""
 
 import torch
 

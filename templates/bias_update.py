@@ -10,7 +10,8 @@ from .grouped_gemm import MOE_REWRITE_OPTIONS
 class MoE:
     def moe_rewrite_count_load(self, topk_ids):
         """Count this step's routed tokens per expert, for moe_rewrite_update_bias."""
-        # Recomputation under gradient checkpointing runs inside backward: those tokens were counted in forward.
+        # Recomputation under gradient checkpointing runs inside backward: those tokens were counted in forward
+        # (torch._C._current_graph_task_id is private; torch has no public "inside backward" query).
         if torch._C._current_graph_task_id() != -1:
             return
         bias = self.gate.e_score_correction_bias

@@ -93,7 +93,7 @@ def _moe_rewrite_warn_frozen():
     warnings.warn(
         "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
         "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

@@ -298,7 +298,7 @@ def _moe_rewrite_warn_frozen():
     warnings.warn(
         "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
         "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -595,6 +595,7 @@ def _moe_rewrite_restore_buffers(module):
     uninitialised memory (torch.empty_like), since no checkpoint holds them (huggingface/transformers#48892); the
     RoPE tables would hold garbage. On 4.x the fresh copy has the values the module already holds."""
     recorded = module.__dict__.get("_moe_rewrite_init_args")
+    # nn.Module's own record of its non-persistent buffers (private; nn.Module has no public accessor for it).
     names = [name for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None]
     if recorded is None or not names:
         return
