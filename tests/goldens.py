@@ -77,11 +77,14 @@ class _Placeholders(cst.CSTTransformer):
         return updated.with_changes(body=body)
 
 
+def diff_text(old: str, new: str, old_name: str, new_name: str) -> str:
+    diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{old_name}", f"b/{new_name}", n=2)
+    return "".join(diff)
+
+
 def what_changed(source: str, rewritten: str, name: str) -> str:
     """The unified diff from `source` to `rewritten`, the generated code as placeholders."""
-    shown = cst.parse_module(rewritten).visit(_Placeholders()).code
-    diff = difflib.unified_diff(source.splitlines(True), shown.splitlines(True), f"a/{name}", f"b/{name}", n=2)
-    return "".join(diff)
+    return diff_text(source, cst.parse_module(rewritten).visit(_Placeholders()).code, name, name)
 
 
 def generated_code(rewritten: str) -> str:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from goldens import generated_code, what_changed
+from goldens import diff_text, generated_code, what_changed
 
 from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
 
@@ -80,8 +80,9 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
 
 @pytest.mark.parametrize(("fixture", "case"), FIXTURE_CASES, ids=[f"{f}-{c}" for f, c in FIXTURE_CASES])
 def test_fixture_under_options(fixture: str, case: str):
-    """What each option changes in a whole file (diff with placeholders), and the generated code itself: one golden per
-    option set of the block and methods the file gets (tests/pairs/blocks/)."""
+    """What each option changes in a whole file (diff with placeholders), and the generated code itself
+    (tests/pairs/blocks/: the V3 stand-in's block and methods under the defaults in full, every other option set as
+    its diff from those)."""
     source = FIXTURES / fixture / "modeling_deepseek.py"
     text = _read(source)
     result = rewrite_source(text, _options(OPTION_CASES[case]))
@@ -90,11 +91,14 @@ def test_fixture_under_options(fixture: str, case: str):
         PAIRS / "fixtures" / f"{fixture}-{case}.diff",
         what_changed(text, result.text, f"{fixture}/modeling_deepseek.py"),
     )
-    if (
-        case in ("defaults", "no-fuse-experts", "aux-loss", "bias-update", "no-compat")
-        and fixture != "deepseek_v2_esft"
-    ):
-        _golden(PAIRS / "blocks" / f"{fixture.removeprefix('deepseek_')}-{case}.py", generated_code(result.text))
+    if fixture == "deepseek_v3" and case == "defaults":
+        _golden(PAIRS / "blocks" / "v3-defaults.py", generated_code(result.text))
+    elif fixture != "deepseek_v2_esft":  # the other option sets: what they change in the generated code
+        default = generated_code(rewrite_source(_read(FIXTURES / "deepseek_v3" / "modeling_deepseek.py")).text)
+        name = f"{fixture.removeprefix('deepseek_')}-{case}"
+        _golden(
+            PAIRS / "blocks" / f"{name}.diff", diff_text(default, generated_code(result.text), "v3-defaults.py", name)
+        )
 
 
 @pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))
