@@ -23,6 +23,7 @@ from moe_rewrite.options import RewriteOptions
 # Every section, in the order the generated block holds them: name -> what it does, in one sentence.
 SECTIONS = {
     "grouped_gemm": "the grouped-GEMM core: expert MLPs as two grouped GEMMs over tokens sorted by expert (moe_train)",
+    "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
     "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",
     "fused_loading": "from_pretrained and from_config fuse every MoE layer's experts",
@@ -71,8 +72,8 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 
 
 def render_section(name: str, module: cst.Module, options: RewriteOptions | None = None) -> Section:
-    """Section `name` parsed with the target module's newline and indentation; with `options`, the options dict holds
-    them (the grouped_gemm section)."""
+    """Section `name` parsed with the target module's newline and indentation; with `options`, grouped_gemm's options
+    dict holds them."""
     text = load_template(name).replace("\n", module.default_newline)
     parsed = cst.parse_module(text, config=module.config_for_parsing)
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}

@@ -5,6 +5,7 @@ are converted by fused_checkpoint.py.
 
 import torch
 
+from .expert_linears import _moe_rewrite_adapters, _moe_rewrite_linear_weights
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
 from .grouped_gemm import _MoeRewriteExpertWeight
 
@@ -16,9 +17,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
 
     The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
     3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
-    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() uses
-    the parameters' own names, as FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the
-    checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
+    experts[i] is expert i as a module whose gate_proj, up_proj and down_proj are nn.Linear views of the parameters
+    (no parameters of their own): moe_infer calls them one by one in eval mode, and PEFT's target_modules find and
+    adapt them under the checkpoint's names (experts.{i}.gate_proj). state_dict() uses the parameters' own names, as
+    FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the checkpoint's per-expert keys
+    (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
     """
 
     def __init__(self, act_fn, gate_w, up_w, down_w):
@@ -27,6 +30,8 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
         self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
         self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
+        for i in range(len(gate_w)):
+            self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
         self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
 
     def __len__(self):
@@ -35,66 +40,64 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     def __getitem__(self, index):
         if not -len(self) <= index < len(self):
             raise IndexError(f"expert {index} out of range for {len(self)} experts")
-        return _MoeRewriteFusedExpert(self, index % len(self))
+        return self._modules[str(index % len(self))]
 
     def __iter__(self):
-        return (_MoeRewriteFusedExpert(self, i) for i in range(len(self)))
+        return (self._modules[str(i)] for i in range(len(self)))
+
+    def __repr__(self):  # one line, not one per expert view
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def extra_repr(self):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
     def moe_rewrite_weights(self):
-        """(gate_up, down, act_fn) for the grouped-GEMM core: the two parameters as weight sources."""
-        if torch.is_grad_enabled() and not self.gate_up_proj.requires_grad:
-            _moe_rewrite_warn_frozen()
-        return _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj), self.act_fn
+        """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+        adapters = _moe_rewrite_adapters(self)
+        if adapters is False:
+            return None
+        return (
+            _MoeRewriteExpertWeight(self.gate_up_proj),
+            _MoeRewriteExpertWeight(self.down_proj),
+            self.act_fn,
+            adapters,
+        )
 
 
-class _MoeRewriteFusedExpert:
+class _MoeRewriteFusedExpert(torch.nn.Module):
     """Expert `index` of fused experts, called like the expert MLP it replaced: down(act(gate(x)) * up(x))."""
 
     def __init__(self, experts, index):
-        self.experts, self.index = experts, index
+        super().__init__()
+        inter = experts.down_proj.shape[2]
+        for name, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)), ("down_proj", None)):
+            self.add_module(name, _MoeRewriteExpertProjection(experts, index, name, rows))
+        object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule: the experts hold this view
 
-    def __call__(self, x):
-        experts = self.experts
-        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[self.index]).chunk(2, dim=-1)
-        return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
-
-
-def _moe_rewrite_linear_weights(experts):
-    """The per-expert layers' gate, up and down weights as three lists; None when an expert must be called as a module:
-    projections that are not plain nn.Linear layers (LoRA adapters, quantized layers), or weights that are not there in
-    full (DeepSpeed ZeRO-3 gathers them in the module's own forward hook).
-    """
-    names = ("gate_proj", "up_proj", "down_proj")
-    # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
-    # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
-    modules = [[e._modules.get(name) for e in experts] for name in names]
-    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
-        return None
-    weights = tuple(
-        [m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules
-    )
-    first, last = modules[0][0], modules[2][-1]
-    if weights[0][0].shape != (first.out_features, first.in_features):
-        return None
-    if weights[2][-1].shape != (last.out_features, last.in_features):
-        return None
-    return weights
+    def forward(self, x):
+        act_fn = self._moe_rewrite_experts.act_fn
+        return self.down_proj(act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _moe_rewrite_warn_frozen():
-    """Fused experts are trained frozen: say so (once per process, by the warnings module's own filter), as LoRA
-    (PEFT's target_modules) silently skips them."""
-    import warnings
+class _MoeRewriteExpertProjection(torch.nn.Linear):
+    """One projection of one fused expert as an nn.Linear (what PEFT adapts): its weight is a view of the fused
+    parameter, read on every use, so it has no parameter or state-dict key of its own and follows .to() and FSDP."""
 
-    warnings.warn(
-        "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
-        "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
-        stacklevel=5,
-    )
+    def __init__(self, experts, index, name, rows):
+        torch.nn.Module.__init__(self)
+        object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule (experts holds this)
+        self.index, self.name, self.rows = index, name, rows
+        out_features, in_features = self.weight.shape
+        self.in_features, self.out_features, self.bias = in_features, out_features, None
+
+    @property
+    def weight(self):
+        experts = self._moe_rewrite_experts
+        if self.rows is None:
+            return experts.down_proj[self.index]
+        return experts.gate_up_proj[self.index, self.rows]
 
 
 def _moe_rewrite_warn_unfused():

@@ -4,7 +4,7 @@ expert, with autograd; the per-expert loop as fallback. Always generated.
 The core never asks how the expert weights are laid out: it gets them from the MoE layer's
 `moe_rewrite_expert_weights()` (fused_experts.py, or per_expert.py with --no-fuse-experts) as weight sources, objects
 with `tensors`, `stacked(dtype)` and `grads(compute)`; `_MoeRewriteExpertWeight` below is the one for an (E, out, in)
-tensor.
+tensor, expert_linears.py's the one for E nn.Linear weights (and PEFT's LoRA adapters on the experts).
 """
 
 import torch
@@ -190,9 +190,10 @@ def _moe_rewrite_combine(y, topk_ids, topk_weight):
 
 
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
-    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn), two weight sources
-    (gate and up concatenated along the output dim, so one GEMM runs both) and the activation."""
-    gate_up_w, down_w, act_fn = weights
+    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
+    sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
+    adapters on the projections ({name: (A, B, scaling, dropout)}, see expert_linears.py)."""
+    gate_up_w, down_w, act_fn, adapters = weights
     flat_ids = topk_ids.reshape(-1)
     # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
     order = flat_ids.argsort(stable=True)
@@ -203,12 +204,31 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_up_w).chunk(2, dim=-1)
-    out = _moe_rewrite_linear(act_fn(gate) * up, offsets, kernel, keep_stacked, down_w)
+    keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
+    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w).chunk(2, dim=-1)
+    if adapters:
+        gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj"))
+        up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj"))
+    hidden = act_fn(gate) * up
+    out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
+    if adapters:
+        out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj"))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, order, out)
     return _moe_rewrite_combine(out, topk_ids, topk_weight)
+
+
+def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, lora):
+    """y + B(A(dropout(x))) * scaling, each row through its expert's adapter (PEFT's LoRA forward), as two grouped
+    GEMMs of the adapter's rank: W + BA is never formed. In the compute dtype, as the base GEMM."""
+    if lora is None:
+        return y
+    a, b, scaling, dropout = lora
+    rank = a.weights[0].shape[0]
+    if kernel == "torch" and (rank * x.element_size()) % 16:  # torch._grouped_mm needs 16-byte aligned strides
+        kernel = "sorted"
+    low = _moe_rewrite_linear(dropout(x), offsets, kernel, keep_stacked, a)
+    return y + _moe_rewrite_linear(low, offsets, kernel, keep_stacked, b) * scaling
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):

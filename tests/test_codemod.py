@@ -256,3 +256,15 @@ def test_unknown_options_are_refused():
         RewriteOptions(backend="cutlass")
     with pytest.raises(RewriteError, match="unknown stacking"):
         RewriteOptions(stacking="lazy")
+
+
+def test_every_generated_statement_is_recognised_as_generated():
+    """A later run finds the block by its names: each module-level statement of every section must carry the prefix."""
+    import libcst as cst
+
+    from moe_rewrite.codemods.block import _is_generated
+    from moe_rewrite.templates import SECTIONS, render_section
+
+    for name in SECTIONS:
+        for stmt in render_section(name, cst.parse_module("")).statements:
+            assert _is_generated(stmt), f"templates/{name}.py: {cst.parse_module('').code_for_node(stmt)[:60]}"

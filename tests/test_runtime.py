@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from templates import fused_checkpoint, fused_experts, grouped_gemm, per_expert  # noqa: E402
+from templates import expert_linears, fused_checkpoint, fused_experts, grouped_gemm, per_expert  # noqa: E402
 
 ACT = torch.nn.functional.silu
 
@@ -126,12 +126,12 @@ def test_per_expert_weights_in_one_buffer_are_viewed_not_copied():
     for p in params:
         p.data = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
-    gate_w, up_w, down_w = fused_experts._moe_rewrite_linear_weights(moe.experts)
-    stacked = per_expert._MoeRewriteExpertLinears(gate_w + up_w, 2).stacked(torch.float64)
+    gate_w, up_w, down_w = expert_linears._moe_rewrite_linear_weights(moe.experts)
+    stacked = expert_linears._MoeRewriteExpertLinears(gate_w + up_w, 2).stacked(torch.float64)
     assert stacked.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     for i, e in enumerate(moe.experts):
         assert torch.equal(stacked[i], torch.cat([e.gate_proj.weight, e.up_proj.weight]))
-    copied = per_expert._MoeRewriteExpertLinears(down_w[::-1], 1).stacked(torch.float64)  # not at a fixed stride
+    copied = expert_linears._MoeRewriteExpertLinears(down_w[::-1], 1).stacked(torch.float64)  # not at a fixed stride
     assert copied.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
 
 

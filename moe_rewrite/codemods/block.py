@@ -66,7 +66,7 @@ def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.Clas
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     names = ordered(context.sections)
-    sections = [render_section(name, module, context.options if name == "grouped_gemm" else None) for name in names]
+    sections = [render_section(name, module, context.options) for name in names]
     statements: list[cst.BaseStatement] = []
     for section in sections:
         if section.statements:  # two blank lines between top-level definitions, as in the rest of the file

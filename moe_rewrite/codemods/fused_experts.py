@@ -1,7 +1,8 @@
 """Choose the expert layout: fused experts (the default) or per-expert nn.Linear layers (--no-fuse-experts), and give
 the file's PreTrainedModel subclass the methods that go with it.
 
-Both layouts get templates/fused_experts.py (the fused module; --no-fuse-experts files can still fuse at run time)
+Both layouts get templates/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
+fused_experts.py (the fused module; --no-fuse-experts files can still fuse at run time)
 and fused_checkpoint.py (`save_pretrained` writes fused experts as the checkpoint's per-expert keys). The default adds
 fused_loading.py: `from_pretrained`, `_from_config` and `post_init` overrides that fuse every MoE layer, so every model
 class of the file (the base model, ForCausalLM, ...) comes out of `AutoModel*.from_pretrained(...,
@@ -24,7 +25,7 @@ PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTraine
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     fuse = context.options.fuse_experts
-    layout = ["fused_experts", "fused_checkpoint", "fused_loading" if fuse else "per_expert"]
+    layout = ["expert_linears", "fused_experts", "fused_checkpoint", "fused_loading" if fuse else "per_expert"]
     context.sections |= set(layout)
     classes = [
         s

@@ -182,9 +182,10 @@ def _moe_rewrite_combine(y, topk_ids, topk_weight):
 
 
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
-    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn), two weight sources
-    (gate and up concatenated along the output dim, so one GEMM runs both) and the activation."""
-    gate_up_w, down_w, act_fn = weights
+    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
+    sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
+    adapters on the projections ({name: (A, B, scaling, dropout)}, see expert_linears.py)."""
+    gate_up_w, down_w, act_fn, adapters = weights
     flat_ids = topk_ids.reshape(-1)
     # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
     order = flat_ids.argsort(stable=True)
@@ -195,12 +196,31 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    keep_stacked = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep_stacked, gate_up_w).chunk(2, dim=-1)
-    out = _moe_rewrite_linear(act_fn(gate) * up, offsets, kernel, keep_stacked, down_w)
+    keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
+    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w).chunk(2, dim=-1)
+    if adapters:
+        gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj"))
+        up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj"))
+    hidden = act_fn(gate) * up
+    out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
+    if adapters:
+        out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj"))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, order, out)
     return _moe_rewrite_combine(out, topk_ids, topk_weight)
+
+
+def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, lora):
+    """y + B(A(dropout(x))) * scaling, each row through its expert's adapter (PEFT's LoRA forward), as two grouped
+    GEMMs of the adapter's rank: W + BA is never formed. In the compute dtype, as the base GEMM."""
+    if lora is None:
+        return y
+    a, b, scaling, dropout = lora
+    rank = a.weights[0].shape[0]
+    if kernel == "torch" and (rank * x.element_size()) % 16:  # torch._grouped_mm needs 16-byte aligned strides
+        kernel = "sorted"
+    low = _moe_rewrite_linear(dropout(x), offsets, kernel, keep_stacked, a)
+    return y + _moe_rewrite_linear(low, offsets, kernel, keep_stacked, b) * scaling
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
@@ -214,69 +234,20 @@ def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
     return _moe_rewrite_combine(y, topk_ids, topk_weight)
 
 
-class _MoeRewriteFusedExperts(torch.nn.Module):
-    """The routed experts as two parameters, made by the MoE layer's moe_rewrite_fuse_experts():
-    gate_up_proj (E, 2 * intermediate, hidden) holds every expert's gate_proj then up_proj weight, down_proj
-    (E, hidden, intermediate) every expert's down_proj weight.
-
-    The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
-    3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
-    experts[i] is a callable view of expert i (moe_infer calls the experts one by one in eval mode). state_dict() uses
-    the parameters' own names, as FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the
-    checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
-    """
-
-    def __init__(self, act_fn, gate_w, up_w, down_w):
-        super().__init__()
-        self.act_fn = act_fn
-        gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
-        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
-        self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
-        self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
-
-    def __len__(self):
-        return self.gate_up_proj.shape[0]
-
-    def __getitem__(self, index):
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"expert {index} out of range for {len(self)} experts")
-        return _MoeRewriteFusedExpert(self, index % len(self))
-
-    def __iter__(self):
-        return (_MoeRewriteFusedExpert(self, i) for i in range(len(self)))
-
-    def extra_repr(self):
-        experts, double_inter, hidden = self.gate_up_proj.shape
-        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
-
-    def moe_rewrite_weights(self):
-        """(gate_up, down, act_fn) for the grouped-GEMM core: the two parameters as weight sources."""
-        if torch.is_grad_enabled() and not self.gate_up_proj.requires_grad:
-            _moe_rewrite_warn_frozen()
-        return _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj), self.act_fn
+MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class _MoeRewriteFusedExpert:
-    """Expert `index` of fused experts, called like the expert MLP it replaced: down(act(gate(x)) * up(x))."""
-
-    def __init__(self, experts, index):
-        self.experts, self.index = experts, index
-
-    def __call__(self, x):
-        experts = self.experts
-        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[self.index]).chunk(2, dim=-1)
-        return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[self.index])
-
-
-def _moe_rewrite_linear_weights(experts):
+def _moe_rewrite_linear_weights(experts, adapted=False):
     """The per-expert layers' gate, up and down weights as three lists; None when an expert must be called as a module:
-    projections that are not plain nn.Linear layers (LoRA adapters, quantized layers), or weights that are not there in
-    full (DeepSpeed ZeRO-3 gathers them in the module's own forward hook).
+    projections that are not plain nn.Linear layers (quantized layers; LoRA adapters unless `adapted`, when the
+    adapted layers' base weights count), or weights that are not there in full (DeepSpeed ZeRO-3 gathers them in the
+    module's own forward hook).
     """
-    names = ("gate_proj", "up_proj", "down_proj")
     # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
     # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
-    modules = [[e._modules.get(name) for e in experts] for name in names]
+    modules = [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+    if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
+        modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
     if any(type(m) is not torch.nn.Linear for part in modules for m in part):
         return None
     weights = tuple(
@@ -290,16 +261,227 @@ def _moe_rewrite_linear_weights(experts):
     return weights
 
 
-def _moe_rewrite_warn_frozen():
-    """Fused experts are trained frozen: say so (once per process, by the warnings module's own filter), as LoRA
-    (PEFT's target_modules) silently skips them."""
-    import warnings
+class _MoeRewriteExpertLinears:
+    """The weight source of E experts' nn.Linear weights for one projection, or `parts` of them concatenated along the
+    output dim (gate and up: parts=2); `weights` lists part 0 of every expert, then part 1.
 
-    warnings.warn(
-        "moe-rewrite: the fused routed experts are frozen; LoRA adapters cannot target fused experts. To adapt them, "
-        "rewrite with --no-fuse-experts or load with MOE_REWRITE_FUSE_EXPERTS=0",
-        stacklevel=5,
+    stacked(dtype) is one (E, parts * out, in) tensor: a view when the weights already lie at a fixed stride in one
+    buffer (an FSDP flat parameter) in that dtype, else a copy. With direct gradients (see
+    _moe_rewrite_direct_grads) autograd connects one weight only and grads() writes every expert's .grad itself.
+    """
+
+    def __init__(self, weights, parts):
+        self.weights, self.parts = tuple(weights), parts
+        self.direct = _moe_rewrite_direct_grads(self.weights)
+        trainable = [w for w in self.weights if w.requires_grad]
+        self.tensors = tuple(trainable[:1] if self.direct else self.weights)
+
+    def stacked(self, dtype):
+        weights, parts = self.weights, self.parts
+        experts = len(weights) // parts
+        first = weights[0]
+        rows, cols = first.shape
+        base = first.storage_offset()
+        stride = weights[1].storage_offset() - base if experts > 1 else 0
+        if (
+            stride >= parts * rows * cols
+            and (stride * first.element_size()) % 16 == 0
+            and all(
+                w.is_contiguous()
+                and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and w.storage_offset() == base + (i % experts) * stride + (i // experts) * rows * cols
+                for i, w in enumerate(weights)
+            )
+        ):
+            return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base).to(dtype)
+        # Interleaved as (expert, part), one stack lays them out exactly as (E, parts * out, in).
+        interleaved = [weights[p * experts + e] for e in range(experts) for p in range(parts)]
+        return torch.stack(interleaved).view(experts, parts * rows, cols).to(dtype)
+
+    def grads(self, compute):
+        if self.direct:
+            # Only when this backward accumulates into parameters (not autograd.grad, not backward(inputs=...)).
+            # torch._C._will_engine_execute_node is private; torch has no public way to ask
+            # (tests/test_private_apis.py checks the behaviour relied on).
+            node = torch.autograd.graph.get_gradient_edge(self.tensors[0]).node
+            if torch._C._will_engine_execute_node(node):
+                _moe_rewrite_accumulate(self.weights, self.per_weight(compute()))
+            return (None,) * len(self.tensors)
+        return tuple(self.per_weight(compute()))
+
+    def per_weight(self, grad_w):
+        """Each weight's gradient, in the weights' own dtype (fp32 weights under autocast get fp32 gradients)."""
+        grad_w = grad_w.to(self.weights[0].dtype)
+        per_part = grad_w.view(len(self.weights) // self.parts, self.parts, -1, grad_w.shape[-1]).unbind(1)
+        return [g for part in per_part for g in part.unbind(0)]
+
+
+def _moe_rewrite_direct_grads(weights):
+    """Whether backward may write the experts' weight gradients itself rather than hand them to autograd.
+
+    Each autograd leaf costs several microseconds of host time per step (one engine node per expert weight: 384 for
+    128 experts, about 2.5 ms on an H200 host, more than the layer's GPU time; see moe-rewrite's bench/NOTES.md).
+    Only for plain leaf tensors without hooks and outside torch.distributed, whose wrappers (DDP, FSDP, DeepSpeed)
+    hook gradient accumulation. Tensor hooks are read from the tensors' own `_backward_hooks` and
+    `_post_accumulate_grad_hooks` (private; torch has no public query). torch.autograd.grad asking for an expert weight
+    needs MOE_REWRITE_DIRECT_GRADS=0. As with any .grad, gradients accumulate.
+    """
+    if _moe_rewrite_setting("MOE_REWRITE_DIRECT_GRADS", "1") == "0":
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return all(
+        w.is_leaf and not w._backward_hooks and getattr(w, "_post_accumulate_grad_hooks", None) is None for w in weights
     )
+
+
+def _moe_rewrite_accumulate(weights, grads):
+    """w.grad = g, or w.grad += g (one multi-tensor add, torch._foreach_add_ as torch's optimizers use it) where a
+    gradient is already there."""
+    existing, added = [], []
+    for w, g in zip(weights, grads):
+        if not w.requires_grad:
+            continue
+        if w.grad is None:
+            w.grad = g
+        else:
+            existing.append(w.grad)
+            added.append(g)
+    if existing:
+        torch._foreach_add_(existing, added)
+
+
+def _moe_rewrite_lora(projections):
+    """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
+    (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
+    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (some experts
+    adapted and others not, several or disabled adapters, merged weights, DoRA and other variants, LoRA biases,
+    different scalings or dropouts): the per-expert loop runs them then.
+    """
+    adapted = ["lora_A" in p._modules and "base_layer" in p._modules for p in projections]
+    if not any(adapted):
+        return None
+    if not all(adapted):
+        return False
+    first = projections[0]
+    adapters = list(first.active_adapters)
+    if first.disable_adapters or len(adapters) != 1 or adapters[0] not in first.lora_A:
+        return False
+    name = adapters[0]
+    dropouts = [p.lora_dropout[name] for p in projections]
+    for p in projections:
+        if p.disable_adapters or p.merged or list(p.active_adapters) != adapters or name not in p.lora_A:
+            return False
+        if name in getattr(p, "lora_variant", {}) or p.use_dora.get(name) or p.lora_B[name].bias is not None:
+            return False
+        if p.scaling[name] != first.scaling[name] or repr(p.lora_dropout[name]) != repr(dropouts[0]):
+            return False
+    a = _MoeRewriteExpertLinears([p.lora_A[name].weight for p in projections], 1)
+    b = _MoeRewriteExpertLinears([p.lora_B[name].weight for p in projections], 1)
+    return a, b, first.scaling[name], dropouts[0]
+
+
+def _moe_rewrite_adapters(experts):
+    """{projection name: _moe_rewrite_lora(...)} for the experts' adapted projections ({} when none is), or False
+    when the loop must run them."""
+    adapters = {}
+    for name in MOE_REWRITE_PROJECTIONS:
+        lora = _moe_rewrite_lora([e._modules.get(name) for e in experts])
+        if lora is False:
+            return False
+        if lora is not None:
+            adapters[name] = lora
+    return adapters
+
+
+class _MoeRewriteFusedExperts(torch.nn.Module):
+    """The routed experts as two parameters, made by the MoE layer's moe_rewrite_fuse_experts():
+    gate_up_proj (E, 2 * intermediate, hidden) holds every expert's gate_proj then up_proj weight, down_proj
+    (E, hidden, intermediate) every expert's down_proj weight.
+
+    The grouped GEMMs read them as they are (no stacking copy per step), and a layer has 2 expert parameters instead of
+    3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
+    experts[i] is expert i as a module whose gate_proj, up_proj and down_proj are nn.Linear views of the parameters
+    (no parameters of their own): moe_infer calls them one by one in eval mode, and PEFT's target_modules find and
+    adapt them under the checkpoint's names (experts.{i}.gate_proj). state_dict() uses the parameters' own names, as
+    FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the checkpoint's per-expert keys
+    (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
+    """
+
+    def __init__(self, act_fn, gate_w, up_w, down_w):
+        super().__init__()
+        self.act_fn = act_fn
+        gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
+        for i in range(len(gate_w)):
+            self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
+        self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
+
+    def __len__(self):
+        return self.gate_up_proj.shape[0]
+
+    def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"expert {index} out of range for {len(self)} experts")
+        return self._modules[str(index % len(self))]
+
+    def __iter__(self):
+        return (self._modules[str(i)] for i in range(len(self)))
+
+    def __repr__(self):  # one line, not one per expert view
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def extra_repr(self):
+        experts, double_inter, hidden = self.gate_up_proj.shape
+        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
+
+    def moe_rewrite_weights(self):
+        """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+        adapters = _moe_rewrite_adapters(self)
+        if adapters is False:
+            return None
+        return (
+            _MoeRewriteExpertWeight(self.gate_up_proj),
+            _MoeRewriteExpertWeight(self.down_proj),
+            self.act_fn,
+            adapters,
+        )
+
+
+class _MoeRewriteFusedExpert(torch.nn.Module):
+    """Expert `index` of fused experts, called like the expert MLP it replaced: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, experts, index):
+        super().__init__()
+        inter = experts.down_proj.shape[2]
+        for name, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)), ("down_proj", None)):
+            self.add_module(name, _MoeRewriteExpertProjection(experts, index, name, rows))
+        object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule: the experts hold this view
+
+    def forward(self, x):
+        act_fn = self._moe_rewrite_experts.act_fn
+        return self.down_proj(act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MoeRewriteExpertProjection(torch.nn.Linear):
+    """One projection of one fused expert as an nn.Linear (what PEFT adapts): its weight is a view of the fused
+    parameter, read on every use, so it has no parameter or state-dict key of its own and follows .to() and FSDP."""
+
+    def __init__(self, experts, index, name, rows):
+        torch.nn.Module.__init__(self)
+        object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule (experts holds this)
+        self.index, self.name, self.rows = index, name, rows
+        out_features, in_features = self.weight.shape
+        self.in_features, self.out_features, self.bias = in_features, out_features, None
+
+    @property
+    def weight(self):
+        experts = self._moe_rewrite_experts
+        if self.rows is None:
+            return experts.down_proj[self.index]
+        return experts.gate_up_proj[self.index, self.rows]
 
 
 def _moe_rewrite_warn_unfused():
@@ -573,10 +755,17 @@ def _moe_rewrite_restore_buffers(module):
 # ---- in class _MoeRewriteFusedExperts:
 
 def moe_rewrite_weights(self):
-    """(gate_up, down, act_fn) for the grouped-GEMM core: the two parameters as weight sources."""
-    if torch.is_grad_enabled() and not self.gate_up_proj.requires_grad:
-        _moe_rewrite_warn_frozen()
-    return _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj), self.act_fn
+    """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+    adapters = _moe_rewrite_adapters(self)
+    if adapters is False:
+        return None
+    return (
+        _MoeRewriteExpertWeight(self.gate_up_proj),
+        _MoeRewriteExpertWeight(self.down_proj),
+        self.act_fn,
+        adapters,
+    )
 
 # ---- in class DeepseekV3MoE:
 

@@ -1,0 +1,191 @@
+"""LoRA on every routed expert projection, expert MLP forward + backward on one GPU (issue #15).
+
+Rows, same base weights, same routings, equivalent adapters (r=16, alpha 32), bf16:
+  naive-loop-lora          PEFT target_modules on a --no-fuse-experts output, run through the per-expert loop
+  moe-rewrite-lora         PEFT target_modules on the default output (fused experts): grouped base and LoRA GEMMs
+  moe-rewrite-lora[per-expert]  the same adapters on the --no-fuse-experts output, grouped
+  peft-native-grouped_mm   PEFT target_parameters on transformers' own DeepseekV3 experts, experts_implementation
+                           grouped_mm (one adapter per fused parameter; ours are set to the same delta weights)
+rel err: output and input gradient against naive-loop-lora (and, for our rows, every LoRA weight's gradient).
+
+    python3 bench/bench_lora.py [--configs seed,moonlight] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_moe as b  # noqa: E402
+
+RANK, ALPHA = 16, 32
+PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
+
+
+def lora_grads(module):
+    return {n: p.grad for n, p in module.named_parameters() if "lora" in n and p.grad is not None}
+
+
+def per_expert_adapters(moe, peer):
+    """Our per-expert adapters set to the delta weights of PEFT's adapters on the fused peer: expert e's gate and up
+    adapters share A_e, their B_e are the rows of the joint B; down has its own. Checked against get_delta_weight."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = {m.parameter_name: m for m in peer.modules() if isinstance(m, ParamWrapper)}
+    experts = len(moe.experts)
+    with torch.no_grad():
+        for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            wrapper = wrappers[name]
+            a = wrapper.lora_A["default"].weight.reshape(experts, RANK, -1)  # (E, r, in) as get_delta_weight reads it
+            bw = wrapper.lora_B["default"].weight.reshape(-1, RANK, experts).permute(2, 0, 1)  # (E, out, r)
+            delta = wrapper.get_delta_weight("default")
+            ours = torch.einsum("eor,eri->eoi", bw, a) * (ALPHA / RANK)
+            if ours.shape != delta.shape:  # PEFT read the parameter as (E, in, out)
+                a, bw = bw.transpose(1, 2), a.transpose(1, 2)
+                ours = torch.einsum("eor,eri->eoi", bw, a) * (ALPHA / RANK)
+                delta = delta.transpose(1, 2)
+            assert b.rel(ours, delta) < 1e-2, "could not map PEFT's fused adapters onto per-expert ones"
+            rows = bw.shape[1] // len(parts)
+            for e, expert in enumerate(moe.experts):
+                for i, part in enumerate(parts):
+                    layer = getattr(expert, part)
+                    layer.lora_A["default"].weight.copy_(a[e])
+                    layer.lora_B["default"].weight.copy_(bw[e, i * rows : (i + 1) * rows])
+
+
+def forward(impl, module, x, ids, w):
+    if impl == "peft-native-grouped_mm":
+        return module.experts(x, ids, w.to(x.dtype))
+    return b.moe_rewrite(module, x, ids, w)
+
+
+def main():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="seed,moonlight")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    work = Path(tempfile.mkdtemp())
+    fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "lora_fused"), "lora_fused")
+    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "lora_plain", "--no-fuse-experts"), "lora_plain")
+    rows, notes = [], []
+    for name in args.configs.split(","):
+        cfg = b.CONFIGS[name]
+        config = configuration.DeepseekV3Config(
+            hidden_size=cfg["H"],
+            moe_intermediate_size=cfg["I"],
+            n_routed_experts=cfg["E"],
+            num_experts_per_tok=cfg["k"],
+            n_shared_experts=None,
+            n_group=1,
+            topk_group=1,
+            hidden_act="silu",
+        )
+        torch.manual_seed(0)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            plain = plain_mod.DeepseekV3MoE(config).train()
+            fused = fused_mod.DeepseekV3MoE(config).train()
+        torch.set_default_dtype(default_dtype)
+        fused.load_state_dict(plain.state_dict())
+        fused.moe_rewrite_fuse_experts()
+        experts, what = b.build_peer(cfg, plain)
+        notes.append(f"{name}: peft-native-grouped_mm = {what} + PEFT target_parameters")
+        peer = torch.nn.Module()  # PEFT replaces a child module: the experts go inside a holder
+        peer.experts = experts
+        lora = dict(r=RANK, lora_alpha=ALPHA, init_lora_weights=False)
+        torch.manual_seed(1)
+        targets = ["experts.gate_up_proj", "experts.down_proj"]
+        inject_adapter_in_model(LoraConfig(target_parameters=targets, **lora), peer)
+        inject_adapter_in_model(LoraConfig(target_modules=PROJECTIONS, **lora), plain)
+        per_expert_adapters(plain, peer)
+        inject_adapter_in_model(LoraConfig(target_modules=PROJECTIONS, **lora), fused)
+        fused.load_state_dict({k: v for k, v in plain.state_dict().items() if "lora" in k}, strict=False)
+        for module in (plain, fused, peer):  # adapters in bf16 like the base (PEFT's default would keep fp32)
+            module.to(torch.bfloat16)
+            for n, p in module.named_parameters():  # LoRA trains, the base is frozen
+                p.requires_grad_("lora" in n)
+        data = b.routings(cfg, "cuda", seed=1)
+        flops = 18 * cfg["N"] * cfg["k"] * cfg["H"] * cfg["I"]
+        impls = [
+            ("naive-loop-lora", plain, plain_mod, "loop"),
+            ("moe-rewrite-lora", fused, fused_mod, None),
+            ("moe-rewrite-lora[per-expert]", plain, plain_mod, None),
+            ("peft-native-grouped_mm", peer, None, None),
+        ]
+        ref = None
+        for impl, module, modeling, backend in impls:
+            fn = functools.partial(forward, impl, module)
+            if modeling is not None:
+                b.set_backend(modeling, backend)
+            warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
+            t0 = time.time()
+            ms, host_ms, peak, y, x = b.run_impl(fn, data, module, None, warm, reps)
+            grads = lora_grads(module) if impl != "peft-native-grouped_mm" else {}
+            if ref is None:
+                ref = (y, x.grad, grads)
+                err = 0.0
+            else:
+                errs = [b.rel(y, ref[0]), b.rel(x.grad, ref[1])]
+                errs += [b.rel(g, ref[2][k]) for k, g in grads.items() if ref[2][k].abs().sum() > 0]
+                err = max(errs)
+            b.clear_grads(module, None, x)
+            rows.append(
+                dict(
+                    config=name,
+                    impl=impl,
+                    ms=round(ms, 3),
+                    host_ms=round(host_ms, 3),
+                    tflops_base=round(flops / (ms / 1e3) / 1e12, 1),
+                    peak_gb=round(peak, 2),
+                    max_rel_err=float(f"{err:.2e}"),
+                )
+            )
+            print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
+        b.set_backend(plain_mod, None)
+        del plain, fused, peer, data, ref
+        torch.cuda.empty_cache()
+    import peft
+    import transformers
+
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("BENCH_COMMIT", "unknown"),
+        command=" ".join(sys.argv),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        peft=peft.__version__,
+        lora=dict(r=RANK, alpha=ALPHA, targets="every routed expert projection"),
+        notes=notes,
+        rows=rows,
+    )
+    (out_dir / "h200-lora.json").write_text(json.dumps(result, indent=1) + "\n")
+    header = f"{'config':10} {'impl':30} {'ms':>8} {'host ms':>8} {'peak GB':>8} {'rel err':>9}"
+    print(f"\n{header} {'vs loop':>8} {'vs peft':>8}")
+    for r in rows:
+        loop = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "naive-loop-lora")
+        native = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "peft-native-grouped_mm")
+        print(
+            f"{r['config']:10} {r['impl']:30} {r['ms']:8.2f} {r['host_ms']:8.2f} {r['peak_gb']:8.2f} "
+            f"{r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x {native / r['ms']:7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Weight sources over E experts' own nn.Linear weights: the per-expert layout's base weights (--no-fuse-experts) and
+the LoRA adapters that PEFT puts on expert projections in either layout. Always generated.
+"""
+
+import torch
+
+from .grouped_gemm import _moe_rewrite_setting
+
+MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_rewrite_linear_weights(experts, adapted=False):
+    """The per-expert layers' gate, up and down weights as three lists; None when an expert must be called as a module:
+    projections that are not plain nn.Linear layers (quantized layers; LoRA adapters unless `adapted`, when the
+    adapted layers' base weights count), or weights that are not there in full (DeepSpeed ZeRO-3 gathers them in the
+    module's own forward hook).
+    """
+    # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
+    # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
+    modules = [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+    if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
+        modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
+    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
+        return None
+    weights = tuple(
+        [m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules
+    )
+    first, last = modules[0][0], modules[2][-1]
+    if weights[0][0].shape != (first.out_features, first.in_features):
+        return None
+    if weights[2][-1].shape != (last.out_features, last.in_features):
+        return None
+    return weights
+
+
+class _MoeRewriteExpertLinears:
+    """The weight source of E experts' nn.Linear weights for one projection, or `parts` of them concatenated along the
+    output dim (gate and up: parts=2); `weights` lists part 0 of every expert, then part 1.
+
+    stacked(dtype) is one (E, parts * out, in) tensor: a view when the weights already lie at a fixed stride in one
+    buffer (an FSDP flat parameter) in that dtype, else a copy. With direct gradients (see
+    _moe_rewrite_direct_grads) autograd connects one weight only and grads() writes every expert's .grad itself.
+    """
+
+    def __init__(self, weights, parts):
+        self.weights, self.parts = tuple(weights), parts
+        self.direct = _moe_rewrite_direct_grads(self.weights)
+        trainable = [w for w in self.weights if w.requires_grad]
+        self.tensors = tuple(trainable[:1] if self.direct else self.weights)
+
+    def stacked(self, dtype):
+        weights, parts = self.weights, self.parts
+        experts = len(weights) // parts
+        first = weights[0]
+        rows, cols = first.shape
+        base = first.storage_offset()
+        stride = weights[1].storage_offset() - base if experts > 1 else 0
+        if (
+            stride >= parts * rows * cols
+            and (stride * first.element_size()) % 16 == 0
+            and all(
+                w.is_contiguous()
+                and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and w.storage_offset() == base + (i % experts) * stride + (i // experts) * rows * cols
+                for i, w in enumerate(weights)
+            )
+        ):
+            return first.as_strided((experts, parts * rows, cols), (stride, cols, 1), base).to(dtype)
+        # Interleaved as (expert, part), one stack lays them out exactly as (E, parts * out, in).
+        interleaved = [weights[p * experts + e] for e in range(experts) for p in range(parts)]
+        return torch.stack(interleaved).view(experts, parts * rows, cols).to(dtype)
+
+    def grads(self, compute):
+        if self.direct:
+            # Only when this backward accumulates into parameters (not autograd.grad, not backward(inputs=...)).
+            # torch._C._will_engine_execute_node is private; torch has no public way to ask
+            # (tests/test_private_apis.py checks the behaviour relied on).
+            node = torch.autograd.graph.get_gradient_edge(self.tensors[0]).node
+            if torch._C._will_engine_execute_node(node):
+                _moe_rewrite_accumulate(self.weights, self.per_weight(compute()))
+            return (None,) * len(self.tensors)
+        return tuple(self.per_weight(compute()))
+
+    def per_weight(self, grad_w):
+        """Each weight's gradient, in the weights' own dtype (fp32 weights under autocast get fp32 gradients)."""
+        grad_w = grad_w.to(self.weights[0].dtype)
+        per_part = grad_w.view(len(self.weights) // self.parts, self.parts, -1, grad_w.shape[-1]).unbind(1)
+        return [g for part in per_part for g in part.unbind(0)]
+
+
+def _moe_rewrite_direct_grads(weights):
+    """Whether backward may write the experts' weight gradients itself rather than hand them to autograd.
+
+    Each autograd leaf costs several microseconds of host time per step (one engine node per expert weight: 384 for
+    128 experts, about 2.5 ms on an H200 host, more than the layer's GPU time; see moe-rewrite's bench/NOTES.md).
+    Only for plain leaf tensors without hooks and outside torch.distributed, whose wrappers (DDP, FSDP, DeepSpeed)
+    hook gradient accumulation. Tensor hooks are read from the tensors' own `_backward_hooks` and
+    `_post_accumulate_grad_hooks` (private; torch has no public query). torch.autograd.grad asking for an expert weight
+    needs MOE_REWRITE_DIRECT_GRADS=0. As with any .grad, gradients accumulate.
+    """
+    if _moe_rewrite_setting("MOE_REWRITE_DIRECT_GRADS", "1") == "0":
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return all(
+        w.is_leaf and not w._backward_hooks and getattr(w, "_post_accumulate_grad_hooks", None) is None for w in weights
+    )
+
+
+def _moe_rewrite_accumulate(weights, grads):
+    """w.grad = g, or w.grad += g (one multi-tensor add, torch._foreach_add_ as torch's optimizers use it) where a
+    gradient is already there."""
+    existing, added = [], []
+    for w, g in zip(weights, grads):
+        if not w.requires_grad:
+            continue
+        if w.grad is None:
+            w.grad = g
+        else:
+            existing.append(w.grad)
+            added.append(g)
+    if existing:
+        torch._foreach_add_(existing, added)
+
+
+def _moe_rewrite_lora(projections):
+    """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
+    (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
+    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (some experts
+    adapted and others not, several or disabled adapters, merged weights, DoRA and other variants, LoRA biases,
+    different scalings or dropouts): the per-expert loop runs them then.
+    """
+    adapted = ["lora_A" in p._modules and "base_layer" in p._modules for p in projections]
+    if not any(adapted):
+        return None
+    if not all(adapted):
+        return False
+    first = projections[0]
+    adapters = list(first.active_adapters)
+    if first.disable_adapters or len(adapters) != 1 or adapters[0] not in first.lora_A:
+        return False
+    name = adapters[0]
+    dropouts = [p.lora_dropout[name] for p in projections]
+    for p in projections:
+        if p.disable_adapters or p.merged or list(p.active_adapters) != adapters or name not in p.lora_A:
+            return False
+        if name in getattr(p, "lora_variant", {}) or p.use_dora.get(name) or p.lora_B[name].bias is not None:
+            return False
+        if p.scaling[name] != first.scaling[name] or repr(p.lora_dropout[name]) != repr(dropouts[0]):
+            return False
+    a = _MoeRewriteExpertLinears([p.lora_A[name].weight for p in projections], 1)
+    b = _MoeRewriteExpertLinears([p.lora_B[name].weight for p in projections], 1)
+    return a, b, first.scaling[name], dropouts[0]
+
+
+def _moe_rewrite_adapters(experts):
+    """{projection name: _moe_rewrite_lora(...)} for the experts' adapted projections ({} when none is), or False
+    when the loop must run them."""
+    adapters = {}
+    for name in MOE_REWRITE_PROJECTIONS:
+        lora = _moe_rewrite_lora([e._modules.get(name) for e in experts])
+        if lora is False:
+            return False
+        if lora is not None:
+            adapters[name] = lora
+    return adapters

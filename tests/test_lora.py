@@ -1,0 +1,183 @@
+"""LoRA on the routed experts with standard PEFT adapters (`target_modules` naming gate_proj / up_proj / down_proj):
+on the default (fused) output and on --no-fuse-experts outputs the adapted experts train through grouped GEMMs, equal
+to the per-expert loop that runs PEFT's own modules; adapters keep PEFT's per-expert keys, so they move between the
+layouts and the original file; merge_and_unload gives the adapted model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from conftest import (  # noqa: E402
+    FORM_DIRS,
+    build_model,
+    model_module,
+    patched_checkpoint,
+    per_expert_checkpoint,
+    runtime_env,
+)
+from test_training import moe_layer, rel_err  # noqa: E402
+
+PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
+REL = 1e-5
+
+
+def lora(model, targets=PROJECTIONS, seed=0, **options):
+    """The model with LoRA adapters on `targets`, their B weights drawn non-zero so that they change the output."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, **options)
+    return peft.get_peft_model(model, config)
+
+
+def routed_adapted(model) -> int:
+    return sum(
+        1
+        for name, m in model.named_modules()
+        if ".experts." in name and name.endswith(tuple(PROJECTIONS)) and hasattr(m, "lora_A")
+    )
+
+
+def step(model, ids):
+    """One training step's loss and every gradient (LoRA weights, the router's, the embeddings')."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(got, want, rel=REL):
+    assert rel_err(got[0], want[0]) < rel
+    assert got[1].keys() == want[1].keys() and any("lora_B" in k for k in got[1])
+    for name, grad in want[1].items():
+        assert rel_err(got[1][name], grad) < rel, name
+
+
+def no_loop(monkeypatch, model):
+    """The per-expert loop fails if it runs: the adapted experts must go through the grouped GEMMs."""
+
+    def loop(*args):
+        raise AssertionError("the per-expert loop ran")
+
+    monkeypatch.setattr(model_module(model), "_moe_rewrite_loop", loop)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per-expert"])
+@pytest.mark.parametrize("form", ["v3", "v2"])
+def test_lora_on_routed_experts_trains_grouped_like_the_loop(tmp_path_factory, monkeypatch, form, layout):
+    ckpt = patched_checkpoint(tmp_path_factory, form, *(["--no-fuse-experts"] if layout == "per-expert" else []))
+    model = build_model(ckpt, seed=1).train()
+    moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
+    experts = sum(len(moe.experts) for moe in moe_layers)
+    adapted = lora(model)
+    assert routed_adapted(adapted) == 3 * experts  # every routed expert's three projections
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with monkeypatch.context() as patch:
+        no_loop(patch, model)
+        grouped = step(adapted, ids)
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")  # PEFT's own modules, expert by expert
+    assert_same_step(grouped, step(adapted, ids))
+    frozen = [n for n, p in adapted.named_parameters() if "experts" in n and "lora" not in n]
+    assert frozen and all(not dict(adapted.named_parameters())[n].requires_grad for n in frozen)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
+@pytest.mark.parametrize("rank", [4, 8])  # bf16 rows of rank 4 are 8 bytes: torch._grouped_mm cannot take them
+def test_lora_on_one_projection_with_the_torch_kernel(tmp_path_factory, monkeypatch, rank):
+    """The GPU production kernel (torch._grouped_mm, bf16) on CPU, adapters on down_proj only."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=2).train().to(torch.bfloat16)
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=rank, target_modules=["down_proj"], init_lora_weights=False)
+    adapted = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with monkeypatch.context() as patch:
+        no_loop(patch, model)
+        patch.setattr(model_module(model), "_moe_rewrite_kernel", lambda device, dtype: "torch")
+        grouped = step(adapted, ids)
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
+    assert_same_step(grouped, step(adapted, ids), rel=2e-2)  # bf16
+
+
+def test_adapters_the_grouped_gemms_cannot_reproduce_run_through_the_loop(tmp_path_factory):
+    """DoRA changes the forward: the layer falls back to PEFT's own modules, with the same numbers as the loop."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=4).train()
+    adapted = lora(model, use_dora=True)
+    moe = moe_layer(model)
+    assert moe.moe_rewrite_expert_weights() is None
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    loss = adapted(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_adapters_move_between_layouts_and_onto_the_original_file(tmp_path_factory, tmp_path):
+    """PEFT saves the standard per-expert keys (experts.{i}.gate_proj.lora_A.weight); they load onto the default
+    output, a --no-fuse-experts output and the file as published, which all compute the same adapted model."""
+    fused_ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    base = build_model(fused_ckpt, seed=5)
+    trained = lora(copy.deepcopy(base), seed=6)
+    trained.save_pretrained(tmp_path / "adapter")
+    from safetensors.torch import load_file
+
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors").keys()
+    assert any(k.endswith("mlp.experts.0.gate_proj.lora_A.weight") for k in keys)
+    assert not any("gate_up_proj" in k for k in keys)
+    ids = torch.randint(0, base.config.vocab_size, (2, 9))
+    trained.eval()
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+    state = model_module(base)._moe_rewrite_unfuse_state_dict(None, base)  # the checkpoint's per-expert keys
+    for where in (per_expert_checkpoint(tmp_path_factory, "v3"), FORM_DIRS["v3"], fused_ckpt):
+        other = build_model(where, seed=7)
+        other.load_state_dict(state)
+        loaded = peft.PeftModel.from_pretrained(other, tmp_path / "adapter").eval()
+        assert routed_adapted(loaded) == routed_adapted(trained)
+        with torch.no_grad():
+            assert rel_err(loaded(input_ids=ids).logits, expected) < REL, where
+
+
+def test_merge_and_unload_equals_the_adapted_model_and_saves_per_expert_keys(tmp_path_factory, tmp_path):
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=8)
+    adapted = lora(model, seed=9).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        expected = adapted(input_ids=ids).logits
+    merged = adapted.merge_and_unload()
+    assert routed_adapted(merged) == 0 and type(moe_layer(merged).experts).__name__ == "_MoeRewriteFusedExperts"
+    with torch.no_grad():
+        assert rel_err(merged(input_ids=ids).logits, expected) < REL
+    merged.train()
+    ids_t = torch.randint(0, model.config.vocab_size, (2, 5))
+    assert torch.isfinite(merged(input_ids=ids_t, labels=ids_t).loss)
+    merged.save_pretrained(tmp_path / "merged")
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "merged" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in saved and not any("lora" in k for k in saved)
+
+
+def test_lora_on_the_experts_in_a_trainer(tmp_path_factory, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=10)
+    adapted = lora(model, targets=["q_a_proj", *PROJECTIONS], seed=11)
+    before = {n: p.detach().clone() for n, p in adapted.named_parameters()}
+    ids = torch.randint(0, model.config.vocab_size, (8, 12), generator=torch.Generator().manual_seed(12))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    Trainer(model=adapted, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids]).train()
+    changed = {n for n, p in adapted.named_parameters() if not torch.equal(p, before[n])}
+    assert any(".experts.0.gate_proj.lora_B" in n for n in changed) and any("q_a_proj.lora_B" in n for n in changed)
+    assert all("lora" in n for n in changed)  # the base model stays frozen
