@@ -100,6 +100,17 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         return experts.gate_up_proj[self.index, self.rows]
 
 
+def _moe_rewrite_refuse_parameter_adapters(experts):
+    """PEFT's adapters on the fused parameters themselves (target_parameters; peft >= 0.18 on transformers 5.x also
+    turns target_modules into them for model_type deepseek_v2/v3) wrap the whole experts module: not supported yet."""
+    if "base_layer" in experts._modules:
+        raise NotImplementedError(
+            "moe-rewrite: PEFT wrapped the fused expert parameters (target_parameters, or peft converting "
+            "target_modules for model_type deepseek_v2/v3 on transformers 5.x), which moe-rewrite does not run yet; "
+            "use transformers 4.x with target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']"
+        )
+
+
 def _moe_rewrite_warn_unfused():
     """Experts that could be fused but are not run through the per-expert loop: say so, once per process."""
     import warnings
@@ -118,6 +129,7 @@ class MoE:
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
             return experts.moe_rewrite_weights()
+        _moe_rewrite_refuse_parameter_adapters(experts)
         if _moe_rewrite_linear_weights(experts) is not None:
             _moe_rewrite_warn_unfused()
         return None

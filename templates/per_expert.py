@@ -5,7 +5,7 @@ fuses them at run time).
 """
 
 from .expert_linears import _moe_rewrite_adapters, _moe_rewrite_linear_weights, _MoeRewriteExpertLinears
-from .fused_experts import _MoeRewriteFusedExperts
+from .fused_experts import _moe_rewrite_refuse_parameter_adapters, _MoeRewriteFusedExperts
 
 
 class MoE:
@@ -16,6 +16,7 @@ class MoE:
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
             return experts.moe_rewrite_weights()
+        _moe_rewrite_refuse_parameter_adapters(experts)
         weights = _moe_rewrite_linear_weights(experts, adapted=True)
         adapters = _moe_rewrite_adapters(experts) if weights is not None else False
         if adapters is False:

@@ -163,3 +163,18 @@ def test_fused_checkpoint_keys_round_trip():
     assert unfused.keys() == per_expert_state.keys()
     assert all(torch.equal(unfused[k], v) for k, v in per_expert_state.items())
     assert fused_checkpoint._moe_rewrite_unfuse_state_dict(None, moe) is None  # nothing fused: saved as it is
+
+
+def test_adapters_that_wrap_the_fused_experts_are_refused_clearly():
+    """PEFT's target_parameters wrap the experts module itself (a layer holding it as base_layer): one clear error."""
+    moe = tiny_moe("fused")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+    moe.experts = Wrapper(moe.experts)
+    x, (ids, w) = torch.randn(3, 8, dtype=torch.float64), routing(3, 6, 2)
+    with pytest.raises(NotImplementedError, match="PEFT wrapped the fused expert parameters"):
+        moe.moe_train(x, ids, w)

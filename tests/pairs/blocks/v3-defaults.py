@@ -358,6 +358,8 @@ def _moe_rewrite_lora(projections):
     adapted and others not, several or disabled adapters, merged weights, DoRA and other variants, LoRA biases,
     different scalings or dropouts): the per-expert loop runs them then.
     """
+    # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
+    # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
     adapted = ["lora_A" in p._modules and "base_layer" in p._modules for p in projections]
     if not any(adapted):
         return None
@@ -365,20 +367,26 @@ def _moe_rewrite_lora(projections):
         return False
     first = projections[0]
     adapters = list(first.active_adapters)
-    if first.disable_adapters or len(adapters) != 1 or adapters[0] not in first.lora_A:
+    if len(adapters) != 1 or adapters[0] not in first._modules["lora_A"]._modules:
         return False
     name = adapters[0]
-    dropouts = [p.lora_dropout[name] for p in projections]
+    scaling, dropout = first.scaling[name], first._modules["lora_dropout"]._modules[name]
+    rate = dropout.__dict__.get("p")  # nn.Dropout's rate; nn.Identity (no dropout) has none
+    a_weights, b_weights = [], []
     for p in projections:
-        if p.disable_adapters or p.merged or list(p.active_adapters) != adapters or name not in p.lora_A:
+        modules = p._modules
+        a = modules["lora_A"]._modules.get(name)
+        b = modules["lora_B"]._modules.get(name)
+        drop = modules["lora_dropout"]._modules.get(name)
+        if a is None or p.disable_adapters or p.merged or list(p.active_adapters) != adapters:
             return False
-        if name in getattr(p, "lora_variant", {}) or p.use_dora.get(name) or p.lora_B[name].bias is not None:
+        if name in p.__dict__.get("lora_variant", ()) or p.use_dora.get(name) or b._parameters.get("bias") is not None:
             return False
-        if p.scaling[name] != first.scaling[name] or repr(p.lora_dropout[name]) != repr(dropouts[0]):
+        if p.scaling[name] != scaling or type(drop) is not type(dropout) or drop.__dict__.get("p") != rate:
             return False
-    a = _MoeRewriteExpertLinears([p.lora_A[name].weight for p in projections], 1)
-    b = _MoeRewriteExpertLinears([p.lora_B[name].weight for p in projections], 1)
-    return a, b, first.scaling[name], dropouts[0]
+        a_weights.append(a._parameters["weight"])
+        b_weights.append(b._parameters["weight"])
+    return _MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout
 
 
 def _moe_rewrite_adapters(experts):
@@ -482,6 +490,17 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         if self.rows is None:
             return experts.down_proj[self.index]
         return experts.gate_up_proj[self.index, self.rows]
+
+
+def _moe_rewrite_refuse_parameter_adapters(experts):
+    """PEFT's adapters on the fused parameters themselves (target_parameters; peft >= 0.18 on transformers 5.x also
+    turns target_modules into them for model_type deepseek_v2/v3) wrap the whole experts module: not supported yet."""
+    if "base_layer" in experts._modules:
+        raise NotImplementedError(
+            "moe-rewrite: PEFT wrapped the fused expert parameters (target_parameters, or peft converting "
+            "target_modules for model_type deepseek_v2/v3 on transformers 5.x), which moe-rewrite does not run yet; "
+            "use transformers 4.x with target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']"
+        )
 
 
 def _moe_rewrite_warn_unfused():
@@ -796,6 +815,7 @@ def moe_rewrite_expert_weights(self):
     experts = self.experts
     if isinstance(experts, _MoeRewriteFusedExperts):
         return experts.moe_rewrite_weights()
+    _moe_rewrite_refuse_parameter_adapters(experts)
     if _moe_rewrite_linear_weights(experts) is not None:
         _moe_rewrite_warn_unfused()
     return None
