@@ -126,16 +126,16 @@ def _moe_rewrite_accumulate(weights, grads):
 def _moe_rewrite_lora(projections):
     """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
     (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
-    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (some experts
-    adapted and others not, several or disabled adapters, merged weights, DoRA and other variants, LoRA biases,
-    different scalings or dropouts): the per-expert loop runs them then.
+    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (adapters other than
+    LoRA, some experts adapted and others not, several or disabled adapters, merged weights, DoRA and other variants,
+    LoRA biases, different scalings or dropouts): the per-expert loop runs them then.
     """
     # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
     # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
-    adapted = ["lora_A" in p._modules and "base_layer" in p._modules for p in projections]
-    if not any(adapted):
+    wrapped = ["base_layer" in p._modules for p in projections]
+    if not any(wrapped):
         return None
-    if not all(adapted):
+    if not all(wrapped) or not all("lora_A" in p._modules for p in projections):  # other tuners: their own forward
         return False
     first = projections[0]
     adapters = list(first.active_adapters)

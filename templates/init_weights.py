@@ -6,7 +6,11 @@ import torch
 
 def _moe_rewrite_loaded(module):
     """Whether transformers loaded every parameter of `module` itself (not its children) from the checkpoint: 5.x
-    marks loaded parameters `_is_hf_initialized`, and 4.x marks none, so there _init_weights runs as before."""
+    marks loaded parameters `_is_hf_initialized`, and 4.x marks none, so there _init_weights runs as before. Fused
+    experts' projection views count as loaded: their weight is a view of the fused parameters, which hold their own
+    values (an nn.Linear re-init through the view would overwrite the loaded experts)."""
+    if "_moe_rewrite_experts" in module.__dict__:
+        return True
     params = list(module.parameters(recurse=False))
     return bool(params) and all(getattr(p, "_is_hf_initialized", False) for p in params)
 

@@ -4,6 +4,7 @@ replaced by placeholders (one line per block section, one per generated method),
 from __future__ import annotations
 
 import difflib
+from functools import lru_cache
 
 import libcst as cst
 
@@ -30,15 +31,21 @@ def _names(stmts: list[cst.BaseStatement]) -> list[str]:
     return names
 
 
+@lru_cache(maxsize=None)
+def _first_names() -> dict[str, str]:
+    """Each section's first module-level name (a section without module-level code has none)."""
+    found = {}
+    for section in SECTIONS:
+        names = _names(render_section(section, _EMPTY).statements)
+        if names:
+            found[section] = names[0]
+    return found
+
+
 def _sections_of(block: list[cst.BaseStatement]) -> list[str]:
     """The template sections a generated block is made of, in order (each recognised by its first name)."""
-    names = _names(block)
-    found = []
-    for section in SECTIONS:
-        first = _names(render_section(section, _EMPTY).statements)[:1]
-        if first and first[0] in names:
-            found.append(section)
-    return found
+    names = set(_names(block))
+    return [section for section, first in _first_names().items() if first in names]
 
 
 class _Placeholders(cst.CSTTransformer):

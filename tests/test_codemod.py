@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,11 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
     return RewriteOptions(**values)
 
 
+@lru_cache(maxsize=None)
+def _default_v3_code() -> str:
+    return generated_code(rewrite_source(_read(FIXTURES / "deepseek_v3" / "modeling_deepseek.py")).text)
+
+
 @pytest.mark.parametrize(("fixture", "case"), FIXTURE_CASES, ids=[f"{f}-{c}" for f, c in FIXTURE_CASES])
 def test_fixture_under_options(fixture: str, case: str):
     """What each option changes in a whole file (diff with placeholders), and the generated code itself
@@ -94,7 +100,7 @@ def test_fixture_under_options(fixture: str, case: str):
     if fixture == "deepseek_v3" and case == "defaults":
         _golden(PAIRS / "blocks" / "v3-defaults.py", generated_code(result.text))
     elif fixture != "deepseek_v2_esft":  # the other option sets: what they change in the generated code
-        default = generated_code(rewrite_source(_read(FIXTURES / "deepseek_v3" / "modeling_deepseek.py")).text)
+        default = _default_v3_code()
         name = f"{fixture.removeprefix('deepseek_')}-{case}"
         _golden(
             PAIRS / "blocks" / f"{name}.diff", diff_text(default, generated_code(result.text), "v3-defaults.py", name)

@@ -181,3 +181,19 @@ def test_lora_on_the_experts_in_a_trainer(tmp_path_factory, tmp_path):
     changed = {n for n, p in adapted.named_parameters() if not torch.equal(p, before[n])}
     assert any(".experts.0.gate_proj.lora_B" in n for n in changed) and any("q_a_proj.lora_B" in n for n in changed)
     assert all("lora" in n for n in changed)  # the base model stays frozen
+
+
+def test_other_tuners_and_replaced_projections_run_as_the_modules_they_are(tmp_path_factory, monkeypatch):
+    """What is not LoRA over the fused views (another PEFT tuner, a projection the user replaced) is not read as the
+    fused weights: the loop runs the modules, with the loop's own numbers."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=13).train()
+    ia3 = peft.get_peft_model(model, peft.IA3Config(target_modules=["down_proj"], feedforward_modules=["down_proj"]))
+    moe = moe_layer(model)
+    assert moe.moe_rewrite_expert_weights() is None
+    replaced = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=14).train()
+    moe = moe_layer(replaced)
+    old = moe.experts[0].up_proj
+    moe.experts[0].up_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    assert moe.moe_rewrite_expert_weights() is None
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    assert torch.isfinite(ia3(input_ids=ids, labels=ids).loss)

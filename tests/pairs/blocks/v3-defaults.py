@@ -354,16 +354,16 @@ def _moe_rewrite_accumulate(weights, grads):
 def _moe_rewrite_lora(projections):
     """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
     (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
-    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (some experts
-    adapted and others not, several or disabled adapters, merged weights, DoRA and other variants, LoRA biases,
-    different scalings or dropouts): the per-expert loop runs them then.
+    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (adapters other than
+    LoRA, some experts adapted and others not, several or disabled adapters, merged weights, DoRA and other variants,
+    LoRA biases, different scalings or dropouts): the per-expert loop runs them then.
     """
     # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
     # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
-    adapted = ["lora_A" in p._modules and "base_layer" in p._modules for p in projections]
-    if not any(adapted):
+    wrapped = ["base_layer" in p._modules for p in projections]
+    if not any(wrapped):
         return None
-    if not all(adapted):
+    if not all(wrapped) or not all("lora_A" in p._modules for p in projections):  # other tuners: their own forward
         return False
     first = projections[0]
     adapters = list(first.active_adapters)
@@ -444,10 +444,21 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
+    def _moe_rewrite_views_intact(self):
+        """Whether every expert's projections are still this module's views (under PEFT's layers, if adapted): a
+        projection replaced by another module must run as that module, through the loop."""
+        for i in range(len(self)):
+            projections = self._modules[str(i)]._modules
+            for name in MOE_REWRITE_PROJECTIONS:
+                p = projections.get(name)
+                if p is None or type(p._modules.get("base_layer", p)) is not _MoeRewriteExpertProjection:
+                    return False
+        return True
+
     def moe_rewrite_weights(self):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
-        adapters = _moe_rewrite_adapters(self)
+        adapters = _moe_rewrite_adapters(self) if self._moe_rewrite_views_intact() else False
         if adapters is False:
             return None
         return (
@@ -726,7 +737,11 @@ def _moe_rewrite_generation_position_ids(position_ids, input_ids):
 
 def _moe_rewrite_loaded(module):
     """Whether transformers loaded every parameter of `module` itself (not its children) from the checkpoint: 5.x
-    marks loaded parameters `_is_hf_initialized`, and 4.x marks none, so there _init_weights runs as before."""
+    marks loaded parameters `_is_hf_initialized`, and 4.x marks none, so there _init_weights runs as before. Fused
+    experts' projection views count as loaded: their weight is a view of the fused parameters, which hold their own
+    values (an nn.Linear re-init through the view would overwrite the loaded experts)."""
+    if "_moe_rewrite_experts" in module.__dict__:
+        return True
     params = list(module.parameters(recurse=False))
     return bool(params) and all(getattr(p, "_is_hf_initialized", False) for p in params)
 
@@ -776,7 +791,7 @@ def _moe_rewrite_restore_buffers(module):
 def moe_rewrite_weights(self):
     """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
-    adapters = _moe_rewrite_adapters(self)
+    adapters = _moe_rewrite_adapters(self) if self._moe_rewrite_views_intact() else False
     if adapters is False:
         return None
     return (
@@ -810,8 +825,8 @@ def moe_train(self, x, topk_ids, topk_weight):
 
 # moe-rewrite: generated method, regenerated on every run
 def moe_rewrite_expert_weights(self):
-    """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn), or None: the per-expert loop runs
-        (experts that are not fused: wrapped by LoRA, quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
+    """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
+        loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
     experts = self.experts
     if isinstance(experts, _MoeRewriteFusedExperts):
         return experts.moe_rewrite_weights()
