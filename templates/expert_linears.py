@@ -17,7 +17,7 @@ def _moe_rewrite_linear_weights(experts, adapted=False):
     """
     # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
     # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
-    modules = [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+    modules = _moe_rewrite_projections(experts)
     if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
         modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
     if any(type(m) is not torch.nn.Linear for part in modules for m in part):
@@ -161,12 +161,17 @@ def _moe_rewrite_lora(projections):
     return _MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout
 
 
-def _moe_rewrite_adapters(experts):
-    """{projection name: _moe_rewrite_lora(...)} for the experts' adapted projections ({} when none is), or False
-    when the loop must run them."""
+def _moe_rewrite_projections(experts):
+    """The experts' gate, up and down projection modules: three lists of E (nn.Module's own dict, see above)."""
+    return [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+
+
+def _moe_rewrite_adapters(projections):
+    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    {} when none is), or False when the loop must run them."""
     adapters = {}
-    for name in MOE_REWRITE_PROJECTIONS:
-        lora = _moe_rewrite_lora([e._modules.get(name) for e in experts])
+    for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
+        lora = _moe_rewrite_lora(column)
         if lora is False:
             return False
         if lora is not None:

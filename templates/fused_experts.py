@@ -5,7 +5,7 @@ are converted by fused_checkpoint.py.
 
 import torch
 
-from .expert_linears import MOE_REWRITE_PROJECTIONS, _moe_rewrite_adapters, _moe_rewrite_linear_weights
+from .expert_linears import _moe_rewrite_adapters, _moe_rewrite_linear_weights, _moe_rewrite_projections
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
 from .grouped_gemm import _MoeRewriteExpertWeight
 
@@ -52,21 +52,18 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
-    def _moe_rewrite_views_intact(self):
-        """Whether every expert's projections are still this module's views (under PEFT's layers, if adapted): a
-        projection replaced by another module must run as that module, through the loop."""
-        for i in range(len(self)):
-            projections = self._modules[str(i)]._modules
-            for name in MOE_REWRITE_PROJECTIONS:
-                p = projections.get(name)
-                if p is None or type(p._modules.get("base_layer", p)) is not _MoeRewriteExpertProjection:
-                    return False
-        return True
-
     def moe_rewrite_weights(self):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
-        adapters = _moe_rewrite_adapters(self) if self._moe_rewrite_views_intact() else False
+        projections = _moe_rewrite_projections(self)
+        # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
+        # as that module, through the loop.
+        intact = all(
+            p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
+            for column in projections
+            for p in column
+        )
+        adapters = _moe_rewrite_adapters(projections) if intact else False
         if adapters is False:
             return None
         return (

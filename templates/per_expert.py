@@ -4,7 +4,12 @@ replaces fused_experts.py's moe_rewrite_expert_weights (fused experts still work
 fuses them at run time).
 """
 
-from .expert_linears import _moe_rewrite_adapters, _moe_rewrite_linear_weights, _MoeRewriteExpertLinears
+from .expert_linears import (
+    _moe_rewrite_adapters,
+    _moe_rewrite_linear_weights,
+    _moe_rewrite_projections,
+    _MoeRewriteExpertLinears,
+)
 from .fused_experts import _moe_rewrite_refuse_parameter_adapters, _MoeRewriteFusedExperts
 
 
@@ -18,7 +23,7 @@ class MoE:
             return experts.moe_rewrite_weights()
         _moe_rewrite_refuse_parameter_adapters(experts)
         weights = _moe_rewrite_linear_weights(experts, adapted=True)
-        adapters = _moe_rewrite_adapters(experts) if weights is not None else False
+        adapters = _moe_rewrite_adapters(_moe_rewrite_projections(experts)) if weights is not None else False
         if adapters is False:
             return None
         gate_w, up_w, down_w = weights

@@ -14,6 +14,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.options import RewriteOptions
+from moe_rewrite.templates import Section, render_section
 
 MARK = "# moe-rewrite"  # starts the comment on (or just above) every generated statement, method and block
 METHOD_MARK = "# moe-rewrite: generated method, regenerated on every run"
@@ -29,6 +30,14 @@ class Context:
     sections: set[str] = field(default_factory=set)  # template sections the generated block must hold
     moe: Any = None  # moe_forward.MoeClassInfo, once moe_forward has run
     compat: Any = None  # compat.CompatChanges, once compat has run
+    rendered: dict[str, Section] = field(default_factory=dict)
+
+    def section(self, name: str, module: cst.Module) -> Section:
+        """Section `name` rendered for this file, once per rewrite (fused_experts takes its model methods, block the
+        rest)."""
+        if name not in self.rendered:
+            self.rendered[name] = render_section(name, module, self.options)
+        return self.rendered[name]
 
 
 def _comments(node: cst.CSTNode) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import libcst as cst
 
 from moe_rewrite.codemods import GENERATED_PREFIXES, Context, is_generated_method, marked
-from moe_rewrite.templates import banner_lines, ordered, render_section
+from moe_rewrite.templates import banner_lines, ordered
 
 BANNER = "# ---- moe-rewrite"  # the first line above the generated block (templates.banner_lines)
 
@@ -66,7 +66,7 @@ def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.Clas
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     names = ordered(context.sections)
-    sections = [render_section(name, module, context.options) for name in names]
+    sections = [context.section(name, module) for name in names]
     statements: list[cst.BaseStatement] = []
     for section in sections:
         if section.statements:  # two blank lines between top-level definitions, as in the rest of the file

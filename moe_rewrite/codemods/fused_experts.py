@@ -18,7 +18,6 @@ import libcst.matchers as m
 
 from moe_rewrite.codemods import Context, is_generated_method, marked
 from moe_rewrite.errors import RewriteError
-from moe_rewrite.templates import render_section
 
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
 
@@ -37,7 +36,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             f"fused-experts loading needs one PreTrainedModel subclass, found {len(classes)}; "
             "rewrite with --no-fuse-experts"
         )
-    methods = [marked(method) for name in layout for method in render_section(name, module).model_methods]
+    methods = [marked(method) for name in layout for method in context.section(name, module).model_methods]
     for cls in classes:  # earlier generated methods go everywhere; new ones only into a single base class
         body = [s for s in cls.body.body if not is_generated_method(s)]
         if len(classes) == 1:

@@ -245,7 +245,7 @@ def _moe_rewrite_linear_weights(experts, adapted=False):
     """
     # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
     # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
-    modules = [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+    modules = _moe_rewrite_projections(experts)
     if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
         modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
     if any(type(m) is not torch.nn.Linear for part in modules for m in part):
@@ -389,12 +389,17 @@ def _moe_rewrite_lora(projections):
     return _MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout
 
 
-def _moe_rewrite_adapters(experts):
-    """{projection name: _moe_rewrite_lora(...)} for the experts' adapted projections ({} when none is), or False
-    when the loop must run them."""
+def _moe_rewrite_projections(experts):
+    """The experts' gate, up and down projection modules: three lists of E (nn.Module's own dict, see above)."""
+    return [[e._modules.get(name) for e in experts] for name in MOE_REWRITE_PROJECTIONS]
+
+
+def _moe_rewrite_adapters(projections):
+    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    {} when none is), or False when the loop must run them."""
     adapters = {}
-    for name in MOE_REWRITE_PROJECTIONS:
-        lora = _moe_rewrite_lora([e._modules.get(name) for e in experts])
+    for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
+        lora = _moe_rewrite_lora(column)
         if lora is False:
             return False
         if lora is not None:
@@ -444,21 +449,18 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
-    def _moe_rewrite_views_intact(self):
-        """Whether every expert's projections are still this module's views (under PEFT's layers, if adapted): a
-        projection replaced by another module must run as that module, through the loop."""
-        for i in range(len(self)):
-            projections = self._modules[str(i)]._modules
-            for name in MOE_REWRITE_PROJECTIONS:
-                p = projections.get(name)
-                if p is None or type(p._modules.get("base_layer", p)) is not _MoeRewriteExpertProjection:
-                    return False
-        return True
-
     def moe_rewrite_weights(self):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
-        adapters = _moe_rewrite_adapters(self) if self._moe_rewrite_views_intact() else False
+        projections = _moe_rewrite_projections(self)
+        # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
+        # as that module, through the loop.
+        intact = all(
+            p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
+            for column in projections
+            for p in column
+        )
+        adapters = _moe_rewrite_adapters(projections) if intact else False
         if adapters is False:
             return None
         return (
@@ -791,7 +793,15 @@ def _moe_rewrite_restore_buffers(module):
 def moe_rewrite_weights(self):
     """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
-    adapters = _moe_rewrite_adapters(self) if self._moe_rewrite_views_intact() else False
+    projections = _moe_rewrite_projections(self)
+    # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
+    # as that module, through the loop.
+    intact = all(
+        p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
+        for column in projections
+        for p in column
+    )
+    adapters = _moe_rewrite_adapters(projections) if intact else False
     if adapters is False:
         return None
     return (
