@@ -2,11 +2,16 @@
 
 Rows, same base weights, same routings, equivalent adapters (r=16, alpha 32), bf16:
   naive-loop-lora          PEFT target_modules on a --no-fuse-experts output, run through the per-expert loop
-  moe-rewrite-lora         PEFT target_modules on the default output (fused experts): grouped base and LoRA GEMMs
+  moe-rewrite-lora         PEFT on the default output (fused experts) as transformers 5.x users get it: ParamWrappers
+                           on the fused parameters (target_parameters; peft converts target_modules into them on 5.x),
+                           grouped base and LoRA GEMMs; the same adapter weights as peft-native-grouped_mm
+  moe-rewrite-lora[views]  PEFT target_modules on the default output as transformers 4.x users get it: LoRA layers on
+                           the per-expert views, grouped
   moe-rewrite-lora[per-expert]  the same adapters on the --no-fuse-experts output, grouped
   peft-native-grouped_mm   PEFT target_parameters on transformers' own DeepseekV3 experts, experts_implementation
-                           grouped_mm (one adapter per fused parameter; ours are set to the same delta weights)
-rel err: output and input gradient against naive-loop-lora (and, for our rows, every LoRA weight's gradient).
+                           grouped_mm (one adapter per fused parameter; the per-expert rows get the same delta weights)
+rel err: output and input gradient against naive-loop-lora, and every LoRA weight's gradient (the per-expert rows
+against the loop's, moe-rewrite-lora against peft-native-grouped_mm's, the same parameters).
 
     python3 bench/bench_lora.py [--configs seed,moonlight] [--out DIR]
 """
@@ -14,6 +19,7 @@ rel err: output and input gradient against naive-loop-lora (and, for our rows, e
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -64,8 +70,8 @@ def per_expert_adapters(moe, peer):
 
 def inject(config, module):
     """PEFT's inject_adapter_in_model, with target_modules taken as given: on transformers 5.x, peft turns
-    target_modules into target_parameters for model_type deepseek_v2/v3 (transformers' own fused layout), which
-    moe-rewrite does not run yet (see the notes); hiding the config for the call keeps what 4.x users get."""
+    target_modules into target_parameters for model_type deepseek_v2/v3 (transformers' own fused layout); hiding the
+    config for the call gives what 4.x users get (LoRA layers on the per-expert modules)."""
     from peft import inject_adapter_in_model
 
     saved = module.__dict__.get("config")
@@ -76,6 +82,19 @@ def inject(config, module):
     finally:
         if saved is not None:
             module.__dict__["config"] = saved
+
+
+def copy_parameter_adapters(source, target):
+    """target's ParamWrappers get the LoRA weights of source's (the same parameters, shapes and layout)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = {m.parameter_name: m for m in source.modules() if isinstance(m, ParamWrapper)}
+    with torch.no_grad():
+        for m in target.modules():
+            if isinstance(m, ParamWrapper):
+                source_wrapper = wrappers[m.parameter_name]
+                for lora in ("lora_A", "lora_B"):
+                    getattr(m, lora)["default"].weight.copy_(getattr(source_wrapper, lora)["default"].weight)
 
 
 def profile_host(fn, data, module, path):
@@ -141,6 +160,7 @@ def main():
         torch.set_default_dtype(default_dtype)
         fused.load_state_dict(plain.state_dict())
         fused.moe_rewrite_fuse_experts()
+        wrapped = copy.deepcopy(fused)
         experts, what = b.build_peer(cfg, plain)
         notes.append(f"{name}: peft-native-grouped_mm = {what} + PEFT target_parameters")
         peer = torch.nn.Module()  # PEFT replaces a child module: the experts go inside a holder
@@ -153,7 +173,9 @@ def main():
         per_expert_adapters(plain, peer)
         inject(LoraConfig(target_modules=PROJECTIONS, **lora), fused)
         fused.load_state_dict({k: v for k, v in plain.state_dict().items() if "lora" in k}, strict=False)
-        for module in (plain, fused, peer):  # adapters in bf16 like the base (PEFT's default would keep fp32)
+        inject_adapter_in_model(LoraConfig(target_parameters=targets, **lora), wrapped)
+        copy_parameter_adapters(peer, wrapped)
+        for module in (plain, fused, wrapped, peer):  # adapters in bf16 like the base (PEFT's default keeps fp32)
             module.to(torch.bfloat16)
             for n, p in module.named_parameters():  # LoRA trains, the base is frozen
                 p.requires_grad_("lora" in n)
@@ -161,11 +183,12 @@ def main():
         flops = 18 * cfg["N"] * cfg["k"] * cfg["H"] * cfg["I"]
         impls = [
             ("naive-loop-lora", plain, plain_mod, "loop"),
-            ("moe-rewrite-lora", fused, fused_mod, None),
-            ("moe-rewrite-lora[per-expert]", plain, plain_mod, None),
             ("peft-native-grouped_mm", peer, None, None),
+            ("moe-rewrite-lora", wrapped, fused_mod, None),
+            ("moe-rewrite-lora[views]", fused, fused_mod, None),
+            ("moe-rewrite-lora[per-expert]", plain, plain_mod, None),
         ]
-        ref = None
+        ref = {}  # the loop's output, input gradient and LoRA gradients; peft-native's LoRA gradients
         for impl, module, modeling, backend in impls:
             fn = functools.partial(forward, impl, module)
             if modeling is not None:
@@ -173,17 +196,21 @@ def main():
             warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
             t0 = time.time()
             ms, host_ms, peak, y, x = b.run_impl(fn, data, module, None, warm, reps)
-            grads = lora_grads(module) if impl != "peft-native-grouped_mm" else {}
-            if ref is None:
-                ref = (y, x.grad, grads)
+            grads = lora_grads(module)
+            if not ref:
+                ref.update(y=y, x=x.grad, grads=grads)
                 err = 0.0
             else:
-                errs = [b.rel(y, ref[0]), b.rel(x.grad, ref[1])]
-                errs += [b.rel(g, ref[2][k]) for k, g in grads.items() if ref[2][k].abs().sum() > 0]
+                errs = [b.rel(y, ref["y"]), b.rel(x.grad, ref["x"])]
+                if impl == "peft-native-grouped_mm":
+                    ref["native"] = grads
+                else:
+                    want = ref["native"] if impl == "moe-rewrite-lora" else ref["grads"]
+                    errs += [b.rel(g, want[k]) for k, g in grads.items() if want[k].abs().sum() > 0]
                 err = max(errs)
             b.clear_grads(module, None, x)
-            if args.profile_host and impl == "moe-rewrite-lora":
-                profile_host(fn, data, module, out_dir / f"host_{name}.txt")
+            if args.profile_host and impl.startswith("moe-rewrite-lora"):
+                profile_host(fn, data, module, out_dir / f"host_{name}_{impl.replace('[', '_').strip(']')}.txt")
             rows.append(
                 dict(
                     config=name,
@@ -197,7 +224,7 @@ def main():
             )
             print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
         b.set_backend(plain_mod, None)
-        del plain, fused, peer, data, ref
+        del plain, fused, wrapped, peer, data, ref
         torch.cuda.empty_cache()
     import peft
     import transformers

@@ -24,6 +24,7 @@ from moe_rewrite.options import RewriteOptions
 SECTIONS = {
     "grouped_gemm": "the grouped-GEMM core: expert MLPs as two grouped GEMMs over tokens sorted by expert (moe_train)",
     "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
+    "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
     "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",
     "fused_loading": "from_pretrained and from_config fuse every MoE layer's experts",

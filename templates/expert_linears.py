@@ -44,6 +44,8 @@ class _MoeRewriteExpertLinears:
 
     def __init__(self, weights, parts):
         self.weights, self.parts = tuple(weights), parts
+        rows, cols = self.weights[0].shape
+        self.shape = (len(self.weights) // parts, parts * rows, cols)
         self.direct = _moe_rewrite_direct_grads(self.weights)
         trainable = [w for w in self.weights if w.requires_grad]
         self.tensors = tuple(trainable[:1] if self.direct else self.weights)
@@ -167,7 +169,7 @@ def _moe_rewrite_projections(experts):
 
 
 def _moe_rewrite_adapters(projections):
-    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    """{projection name: (_moe_rewrite_lora(...),)} for the adapted ones of `projections` (_moe_rewrite_projections;
     {} when none is), or False when the loop must run them."""
     adapters = {}
     for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
@@ -175,5 +177,5 @@ def _moe_rewrite_adapters(projections):
         if lora is False:
             return False
         if lora is not None:
-            adapters[name] = lora
+            adapters[name] = (lora,)
     return adapters

@@ -7,7 +7,8 @@ import torch
 
 from .expert_linears import _moe_rewrite_adapters, _moe_rewrite_linear_weights, _moe_rewrite_projections
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
-from .grouped_gemm import _MoeRewriteExpertWeight
+from .grouped_gemm import _moe_rewrite_loop, _MoeRewriteExpertWeight
+from .parameter_lora import _moe_rewrite_load_expert_lora, _moe_rewrite_parameter_adapters, _moe_rewrite_unwrap
 
 
 class _MoeRewriteFusedExperts(torch.nn.Module):
@@ -19,9 +20,10 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
     experts[i] is expert i as a module whose gate_proj, up_proj and down_proj are nn.Linear views of the parameters
     (no parameters of their own): moe_infer calls them one by one in eval mode, and PEFT's target_modules find and
-    adapt them under the checkpoint's names (experts.{i}.gate_proj). state_dict() uses the parameters' own names, as
-    FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the checkpoint's per-expert keys
-    (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
+    adapt them under the checkpoint's names (experts.{i}.gate_proj). PEFT's target_parameters wrap this module itself
+    (parameter_lora.py). state_dict() uses the parameters' own names, as FSDP and torch.distributed.checkpoint expect;
+    load_state_dict also takes the checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's
+    save_pretrained writes them.
     """
 
     def __init__(self, act_fn, gate_w, up_w, down_w):
@@ -52,9 +54,15 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
-    def moe_rewrite_weights(self):
+    def forward(self, x, topk_ids, topk_weight):
+        """The experts' weighted outputs, expert by expert through the views (what PEFT's wrappers call, with their
+        adapters applied to the parameters, when the grouped-GEMM core cannot reproduce them)."""
+        return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
+
+    def moe_rewrite_weights(self, wrappers=()):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+        parameters (parameter_lora.py); None when the loop must run them."""
         projections = _moe_rewrite_projections(self)
         # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
         # as that module, through the loop.
@@ -64,8 +72,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
             for p in column
         )
         adapters = _moe_rewrite_adapters(projections) if intact else False
-        if adapters is False:
+        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
+        if fused_adapters is False:
             return None
+        for name, loras in fused_adapters.items():
+            adapters[name] = adapters.get(name, ()) + loras
         return (
             _MoeRewriteExpertWeight(self.gate_up_proj),
             _MoeRewriteExpertWeight(self.down_proj),
@@ -108,17 +119,6 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         return experts.gate_up_proj[self.index, self.rows]
 
 
-def _moe_rewrite_refuse_parameter_adapters(experts):
-    """PEFT's adapters on the fused parameters themselves (target_parameters; peft >= 0.18 on transformers 5.x also
-    turns target_modules into them for model_type deepseek_v2/v3) wrap the whole experts module: not supported yet."""
-    if "base_layer" in experts._modules:
-        raise NotImplementedError(
-            "moe-rewrite: PEFT wrapped the fused expert parameters (target_parameters, or peft converting "
-            "target_modules for model_type deepseek_v2/v3 on transformers 5.x), which moe-rewrite does not run yet; "
-            "use transformers 4.x with target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']"
-        )
-
-
 def _moe_rewrite_warn_unfused():
     """Experts that could be fused but are not run through the per-expert loop: say so, once per process."""
     import warnings
@@ -134,11 +134,10 @@ class MoE:
     def moe_rewrite_expert_weights(self):
         """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
         loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
-        experts = self.experts
+        experts, wrappers = _moe_rewrite_unwrap(self.experts)
         if isinstance(experts, _MoeRewriteFusedExperts):
-            return experts.moe_rewrite_weights()
-        _moe_rewrite_refuse_parameter_adapters(experts)
-        if _moe_rewrite_linear_weights(experts) is not None:
+            return experts.moe_rewrite_weights(wrappers)
+        if isinstance(experts, torch.nn.ModuleList) and _moe_rewrite_linear_weights(experts) is not None:
             _moe_rewrite_warn_unfused()
         return None
 
@@ -174,4 +173,5 @@ class MoE:
         if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
         self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
+        self.register_load_state_dict_pre_hook(_moe_rewrite_load_expert_lora)
         return self.experts

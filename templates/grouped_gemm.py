@@ -3,8 +3,8 @@ expert, with autograd; the per-expert loop as fallback. Always generated.
 
 The core never asks how the expert weights are laid out: it gets them from the MoE layer's
 `moe_rewrite_expert_weights()` (fused_experts.py, or per_expert.py with --no-fuse-experts) as weight sources, objects
-with `tensors`, `stacked(dtype)` and `grads(compute)`; `_MoeRewriteExpertWeight` below is the one for an (E, out, in)
-tensor, expert_linears.py's the one for E nn.Linear weights (and PEFT's LoRA adapters on the experts).
+with `tensors`, `shape` (E, out, in), `stacked(dtype)` and `grads(compute)`; `_MoeRewriteExpertWeight` below is the one
+for an (E, out, in) tensor, expert_linears.py's the one for E nn.Linear weights (and PEFT's LoRA adapters on them).
 """
 
 import torch
@@ -113,7 +113,7 @@ class _MoeRewriteExpertWeight:
     the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
 
     def __init__(self, weight):
-        self.weight = weight
+        self.weight, self.shape = weight, weight.shape
         self.tensors = (weight,)
 
     def stacked(self, dtype):
@@ -192,7 +192,8 @@ def _moe_rewrite_combine(y, topk_ids, topk_weight):
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
     """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
     sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
-    adapters on the projections ({name: (A, B, scaling, dropout)}, see expert_linears.py)."""
+    adapters: {name: ((A, B, scaling, dropout), ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py) or
+    on the gate_proj, up_proj and down_proj of every expert (expert_linears.py)."""
     gate_up_w, down_w, act_fn, adapters = weights
     flat_ids = topk_ids.reshape(-1)
     # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
@@ -205,35 +206,35 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w).chunk(2, dim=-1)
-    if adapters:
-        gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj"))
-        up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj"))
+    gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
+    gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj", ()))
+    up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj", ()))
     hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
-    if adapters:
-        out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj"))
+    out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, order, out)
     return _moe_rewrite_combine(out, topk_ids, topk_weight)
 
 
-def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, lora):
-    """y + B(A(dropout(x))) * scaling, each row through its expert's adapter (PEFT's LoRA forward), as two grouped
-    GEMMs of the adapter's rank: W + BA is never formed. In the compute dtype, as the base GEMM."""
-    if lora is None:
-        return y
-    a, b, scaling, dropout = lora
-    rank = a.weights[0].shape[0]
-    if kernel == "torch" and (rank * x.element_size()) % 16:  # torch._grouped_mm needs 16-byte aligned strides
-        kernel = "sorted"
-    low = _moe_rewrite_linear(dropout(x), offsets, kernel, keep_stacked, a)
-    return y + _moe_rewrite_linear(low, offsets, kernel, keep_stacked, b) * scaling
+def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, loras):
+    """y + B(A(dropout(x))) * scaling for each (A, B, scaling, dropout) of `loras`, each row through its expert's
+    adapter (PEFT's LoRA forward), as two grouped GEMMs of the adapter's rank: W + BA is never formed. In the compute
+    dtype, as the base GEMM."""
+    for a, b, scaling, dropout in loras:
+        rank = a.shape[1]
+        # torch._grouped_mm needs 16-byte aligned strides
+        rank_kernel = "sorted" if kernel == "torch" and (rank * x.element_size()) % 16 else kernel
+        low = _moe_rewrite_linear(dropout(x), offsets, rank_kernel, keep_stacked, a)
+        y = y + _moe_rewrite_linear(low, offsets, rank_kernel, keep_stacked, b) * scaling
+    return y
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
     """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
-    cannot read (LoRA-wrapped or quantized projections, DeepSpeed ZeRO-3 partitions)."""
+    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions)."""
     flat_ids = topk_ids.view(-1)
     x = x.repeat_interleave(topk_ids.shape[1], dim=0)
     y = torch.empty_like(x)
@@ -257,5 +258,8 @@ class MoE:
         kernel = _moe_rewrite_kernel(x.device, dtype)
         weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
         if weights is None:
-            return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-        return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self.experts), kernel, dtype)
+            if isinstance(self.experts, torch.nn.ModuleList):
+                return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
+            # fused experts, or PEFT's wrappers around them: their own forward (a loop over the experts)
+            return self.experts(x, topk_ids, topk_weight)
+        return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, weights[0].shape[0], kernel, dtype)

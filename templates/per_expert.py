@@ -4,13 +4,16 @@ replaces fused_experts.py's moe_rewrite_expert_weights (fused experts still work
 fuses them at run time).
 """
 
+import torch
+
 from .expert_linears import (
     _moe_rewrite_adapters,
     _moe_rewrite_linear_weights,
     _moe_rewrite_projections,
     _MoeRewriteExpertLinears,
 )
-from .fused_experts import _moe_rewrite_refuse_parameter_adapters, _MoeRewriteFusedExperts
+from .fused_experts import _MoeRewriteFusedExperts
+from .parameter_lora import _moe_rewrite_unwrap
 
 
 class MoE:
@@ -18,10 +21,11 @@ class MoE:
         """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
         loop runs (projections that are not nn.Linear layers, as PEFT's LoRA layers over them: quantized layers,
         ZeRO-3 partitions; LoRA adapters the grouped GEMMs cannot reproduce, see _moe_rewrite_lora)."""
-        experts = self.experts
-        if isinstance(experts, _MoeRewriteFusedExperts):
-            return experts.moe_rewrite_weights()
-        _moe_rewrite_refuse_parameter_adapters(experts)
+        experts, wrappers = _moe_rewrite_unwrap(self.experts)
+        if isinstance(experts, _MoeRewriteFusedExperts):  # fused at run time
+            return experts.moe_rewrite_weights(wrappers)
+        if not isinstance(experts, torch.nn.ModuleList) or wrappers:
+            return None
         weights = _moe_rewrite_linear_weights(experts, adapted=True)
         adapters = _moe_rewrite_adapters(_moe_rewrite_projections(experts)) if weights is not None else False
         if adapters is False:

@@ -12,6 +12,7 @@ import pytest
 from goldens import diff_text, generated_code, what_changed
 
 from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
+from moe_rewrite.codemods.moe_forward import EVAL_NOTE
 
 PAIRS = Path(__file__).parent / "pairs"
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -137,11 +138,14 @@ def _removed_lines(old: str, new: str) -> list[str]:
     return [line.strip() for line in removed]
 
 
-def test_v3_only_the_assert_is_removed():
+EVAL_V3 = "y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)"
+
+
+def test_v3_only_the_assert_is_removed_and_eval_goes_through_moe_rewrite_infer():
     text = _read(PAIRS / "v3_basic.in.py")
     result = rewrite_source(text)
     assert result.form == "v3" and result.moe_class == "DeepseekV3MoE" and result.gate_class == "MoEGate"
-    assert _removed_lines(text, result.text) == ["assert not self.training"]
+    assert _removed_lines(text, result.text) == ["assert not self.training", EVAL_V3]
     assert "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight)" in result.text
 
 
@@ -149,7 +153,8 @@ def test_v3_reformatted_keeps_comments_and_names():
     text = _read(PAIRS / "v3_reformatted.in.py")
     result = rewrite_source(text)
     assert result.gate_class == "Router"
-    assert _removed_lines(text, result.text) == ["assert (not self.training)"]
+    assert _removed_lines(text, result.text)[0] == "assert (not self.training)"
+    assert len(_removed_lines(text, result.text)) == 2  # and the eval call, now through moe_rewrite_infer
     assert "# Inference only in the original release." in result.text
     assert "self.moe_train(x, ids, weights)" in result.text
     assert "# sorted experts" in result.text
@@ -190,14 +195,18 @@ def test_crlf_in_crlf_out(source: Path):
     assert result.text == rewrite_source(_read(source)).text.replace("\n", "\r\n")
 
 
-def test_eval_path_and_moe_infer_untouched():
+def test_moe_infer_untouched_and_eval_calls_it_through_moe_rewrite_infer():
+    """Eval calls moe_infer through moe_rewrite_infer (the same arguments and post-processing, marked), which runs
+    moe_infer unless PEFT wrapped the experts so that moe_infer cannot index them."""
     text = _read(PAIRS / "v3_basic.in.py")
     new = rewrite_source(text).text
-    for needle in (
-        "    @torch.no_grad()\n    def moe_infer(self, x, topk_ids, topk_weight):\n        return x\n",
-        "        if not self.training:\n            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n",
-    ):
-        assert needle in text and needle in new
+    infer = "    @torch.no_grad()\n    def moe_infer(self, x, topk_ids, topk_weight):\n        return x\n"
+    assert infer in text and infer in new
+    assert f"        if not self.training:\n            {EVAL_V3}\n" in text
+    through = EVAL_V3.replace("self.moe_infer(", "self.moe_rewrite_infer(")
+    assert f"        if not self.training:\n            {through}  {EVAL_NOTE}\n" in new
+    assert "            return self.moe_infer(x, topk_ids, topk_weight)\n" in new  # in moe_rewrite_infer
+    assert rewrite_source(new).text == new
 
 
 V3_MOE = """

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from templates import expert_linears, fused_checkpoint, fused_experts, grouped_gemm, per_expert  # noqa: E402
+from templates import expert_linears, fused_checkpoint, fused_experts, grouped_gemm, parameter_lora, per_expert  # noqa: E402
 
 ACT = torch.nn.functional.silu
 
@@ -28,7 +28,7 @@ def tiny_moe(layout, experts=6, hidden=8, inter=5):
     """A MoE layer made of the runtime's own MoE-class methods: moe_train (the core) and the seam of `layout`."""
     seam = per_expert.MoE if layout == "per_expert" else fused_experts.MoE
 
-    class TinyMoE(grouped_gemm.MoE, seam, torch.nn.Module):
+    class TinyMoE(grouped_gemm.MoE, parameter_lora.MoE, seam, torch.nn.Module):
         def __init__(self):
             torch.nn.Module.__init__(self)
             self.ep_size = 1
@@ -165,8 +165,10 @@ def test_fused_checkpoint_keys_round_trip():
     assert fused_checkpoint._moe_rewrite_unfuse_state_dict(None, moe) is None  # nothing fused: saved as it is
 
 
-def test_adapters_that_wrap_the_fused_experts_are_refused_clearly():
-    """PEFT's target_parameters wrap the experts module itself (a layer holding it as base_layer): one clear error."""
+def test_modules_wrapping_the_fused_experts_run_as_modules():
+    """A module holding the fused experts as base_layer that is not PEFT's LoRA on their parameters (another tuner's
+    wrapper) is not read as the fused weights: it runs as a module, its forward ending in the experts' own (a loop
+    over the expert views), in training and in eval (moe_rewrite_infer: moe_infer cannot index it)."""
     moe = tiny_moe("fused")
 
     class Wrapper(torch.nn.Module):
@@ -174,7 +176,14 @@ def test_adapters_that_wrap_the_fused_experts_are_refused_clearly():
             super().__init__()
             self.base_layer = base
 
+        def forward(self, *args):
+            return 2 * self.base_layer(*args)
+
+    views = list(moe.experts)
     moe.experts = Wrapper(moe.experts)
+    assert moe.moe_rewrite_expert_weights() is None
     x, (ids, w) = torch.randn(3, 8, dtype=torch.float64), routing(3, 6, 2)
-    with pytest.raises(NotImplementedError, match="PEFT wrapped the fused expert parameters"):
-        moe.moe_train(x, ids, w)
+    expected = 2 * reference(views, x, ids, w)
+    assert torch.allclose(moe.moe_train(x, ids, w), expected, atol=1e-12)
+    moe.moe_infer = None  # not called: it would index the wrapper
+    assert torch.allclose(moe.moe_rewrite_infer(x, ids, w), expected, atol=1e-12)

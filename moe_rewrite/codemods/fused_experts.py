@@ -24,7 +24,13 @@ PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTraine
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     fuse = context.options.fuse_experts
-    layout = ["expert_linears", "fused_experts", "fused_checkpoint", "fused_loading" if fuse else "per_expert"]
+    layout = [
+        "expert_linears",
+        "parameter_lora",
+        "fused_experts",
+        "fused_checkpoint",
+        "fused_loading" if fuse else "per_expert",
+    ]
     context.sections |= set(layout)
     classes = [
         s

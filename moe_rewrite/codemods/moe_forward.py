@@ -29,7 +29,10 @@ V2 form (a Python loop over the experts)::
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
 Both forms get the `moe_train` method and its module-level helpers (templates/grouped_gemm.py, put in by the block
-codemod). Eval mode and `moe_infer` are untouched.
+codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (templates/parameter_lora.py),
+which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
+
+    y = self.moe_rewrite_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)  # moe-rewrite: ...
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 
 NOT_SELF_TRAINING = m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
-MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_infer")))
+# the eval branch's call, as published or as moe-rewrite left it (moe_rewrite_infer calls moe_infer)
+MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_infer") | m.Name("moe_rewrite_infer")))
+EVAL_NOTE = "# moe-rewrite: moe_infer, unless PEFT wrapped the experts"
 MOE_TRAIN_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_train")))
 SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SELF_GATE_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("gate")))
@@ -152,7 +157,8 @@ def _moe_infer_args(stmt: cst.CSTNode) -> list[cst.Arg]:
 
 
 class _ReplaceMoeInfer(cst.CSTTransformer):
-    """self.moe_infer(a, b, c) -> self.moe_train(a, b, c).type(a.dtype), inside one statement."""
+    """self.moe_infer(a, b, c) -> self.moe_train(a, b, c).type(a.dtype), inside one statement (without the eval
+    branch's note)."""
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not m.matches(original_node, MOE_INFER_CALL):
@@ -161,6 +167,37 @@ class _ReplaceMoeInfer(cst.CSTTransformer):
         train = updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_train")))
         dtype = cst.Attribute(value=updated_node.args[0].value, attr=cst.Name("dtype"))
         return cst.Call(func=cst.Attribute(value=train, attr=cst.Name("type")), args=[cst.Arg(dtype)])
+
+    def leave_TrailingWhitespace(
+        self, original_node: cst.TrailingWhitespace, updated_node: cst.TrailingWhitespace
+    ) -> cst.TrailingWhitespace:
+        if updated_node.comment is not None and updated_node.comment.value == EVAL_NOTE:
+            return cst.TrailingWhitespace()
+        return updated_node
+
+
+class _EvalThroughMoeRewrite(cst.CSTTransformer):
+    """self.moe_infer(...) -> self.moe_rewrite_infer(...), marked, in the eval branch's statement."""
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        if not m.matches(original_node, MOE_INFER_CALL):
+            return updated_node
+        func = cst.ensure_type(updated_node.func, cst.Attribute)
+        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_rewrite_infer")))
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine:
+        if not m.findall(original_node, MOE_INFER_CALL) or updated_node.trailing_whitespace.comment is not None:
+            return updated_node
+        whitespace = updated_node.trailing_whitespace.with_changes(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(EVAL_NOTE)
+        )
+        return updated_node.with_changes(trailing_whitespace=whitespace)
+
+
+def _eval_through_moe_rewrite(suite: cst.BaseSuite) -> cst.BaseSuite:
+    return cst.ensure_type(suite.visit(_EvalThroughMoeRewrite()), cst.BaseSuite)
 
 
 NO_GRAD = m.Attribute(attr=m.Name("no_grad") | m.Name("inference_mode")) | m.Name("no_grad") | m.Name("inference_mode")
@@ -423,7 +460,9 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             raise RewriteError(
                 f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write"
             )
-        new_branch = branch.with_changes(orelse=_v3_training_else(branch.body, options, where))
+        new_branch = branch.with_changes(
+            body=_eval_through_moe_rewrite(branch.body), orelse=_v3_training_else(branch.body, options, where)
+        )
         form = "v3"
     elif arity == 3 and m.matches(branch.test, SELF_TRAINING):
         if options.aux_loss or options.bias_update is not None:
@@ -434,7 +473,8 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             raise RewriteError(f"{where}: `if self.training:` has no else branch calling self.moe_infer(...)")
         infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where))
         new_branch = branch.with_changes(
-            body=_rewrite_v2_training_body(_block(branch.body), infer_args, forward, branch, where)
+            body=_rewrite_v2_training_body(_block(branch.body), infer_args, forward, branch, where),
+            orelse=branch.orelse.with_changes(body=_eval_through_moe_rewrite(branch.orelse.body)),
         )
         form = "v2"
     else:

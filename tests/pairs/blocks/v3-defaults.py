@@ -105,7 +105,7 @@ class _MoeRewriteExpertWeight:
     the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
 
     def __init__(self, weight):
-        self.weight = weight
+        self.weight, self.shape = weight, weight.shape
         self.tensors = (weight,)
 
     def stacked(self, dtype):
@@ -184,7 +184,8 @@ def _moe_rewrite_combine(y, topk_ids, topk_weight):
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
     """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
     sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
-    adapters on the projections ({name: (A, B, scaling, dropout)}, see expert_linears.py)."""
+    adapters: {name: ((A, B, scaling, dropout), ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py) or
+    on the gate_proj, up_proj and down_proj of every expert (expert_linears.py)."""
     gate_up_w, down_w, act_fn, adapters = weights
     flat_ids = topk_ids.reshape(-1)
     # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
@@ -197,35 +198,35 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-    gate, up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w).chunk(2, dim=-1)
-    if adapters:
-        gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj"))
-        up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj"))
+    gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
+    gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj", ()))
+    up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj", ()))
     hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
-    if adapters:
-        out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj"))
+    out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, order, out)
     return _moe_rewrite_combine(out, topk_ids, topk_weight)
 
 
-def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, lora):
-    """y + B(A(dropout(x))) * scaling, each row through its expert's adapter (PEFT's LoRA forward), as two grouped
-    GEMMs of the adapter's rank: W + BA is never formed. In the compute dtype, as the base GEMM."""
-    if lora is None:
-        return y
-    a, b, scaling, dropout = lora
-    rank = a.weights[0].shape[0]
-    if kernel == "torch" and (rank * x.element_size()) % 16:  # torch._grouped_mm needs 16-byte aligned strides
-        kernel = "sorted"
-    low = _moe_rewrite_linear(dropout(x), offsets, kernel, keep_stacked, a)
-    return y + _moe_rewrite_linear(low, offsets, kernel, keep_stacked, b) * scaling
+def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, loras):
+    """y + B(A(dropout(x))) * scaling for each (A, B, scaling, dropout) of `loras`, each row through its expert's
+    adapter (PEFT's LoRA forward), as two grouped GEMMs of the adapter's rank: W + BA is never formed. In the compute
+    dtype, as the base GEMM."""
+    for a, b, scaling, dropout in loras:
+        rank = a.shape[1]
+        # torch._grouped_mm needs 16-byte aligned strides
+        rank_kernel = "sorted" if kernel == "torch" and (rank * x.element_size()) % 16 else kernel
+        low = _moe_rewrite_linear(dropout(x), offsets, rank_kernel, keep_stacked, a)
+        y = y + _moe_rewrite_linear(low, offsets, rank_kernel, keep_stacked, b) * scaling
+    return y
 
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
     """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
-    cannot read (LoRA-wrapped or quantized projections, DeepSpeed ZeRO-3 partitions)."""
+    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions)."""
     flat_ids = topk_ids.view(-1)
     x = x.repeat_interleave(topk_ids.shape[1], dim=0)
     y = torch.empty_like(x)
@@ -272,6 +273,8 @@ class _MoeRewriteExpertLinears:
 
     def __init__(self, weights, parts):
         self.weights, self.parts = tuple(weights), parts
+        rows, cols = self.weights[0].shape
+        self.shape = (len(self.weights) // parts, parts * rows, cols)
         self.direct = _moe_rewrite_direct_grads(self.weights)
         trainable = [w for w in self.weights if w.requires_grad]
         self.tensors = tuple(trainable[:1] if self.direct else self.weights)
@@ -395,7 +398,7 @@ def _moe_rewrite_projections(experts):
 
 
 def _moe_rewrite_adapters(projections):
-    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    """{projection name: (_moe_rewrite_lora(...),)} for the adapted ones of `projections` (_moe_rewrite_projections;
     {} when none is), or False when the loop must run them."""
     adapters = {}
     for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
@@ -403,8 +406,116 @@ def _moe_rewrite_adapters(projections):
         if lora is False:
             return False
         if lora is not None:
-            adapters[name] = lora
+            adapters[name] = (lora,)
     return adapters
+
+
+def _moe_rewrite_unwrap(experts):
+    """(the module under PEFT's ParamWrappers, [the wrappers, outermost first]): `experts` and [] when not wrapped.
+
+    PEFT nests one ParamWrapper per targeted parameter, each holding the next as base_layer; a wrapper is recognised by
+    its base_layer submodule and its parameter_name (read from the module's own dicts: this runs on every step)."""
+    wrappers = []
+    while "base_layer" in experts._modules and isinstance(experts.__dict__.get("parameter_name"), str):
+        wrappers.append(experts)
+        experts = experts._modules["base_layer"]
+    return experts, wrappers
+
+
+def _moe_rewrite_parameter_lora(wrapper):
+    """One ParamWrapper's LoRA adapter as the core reads it, (A, B, scaling, dropout): weight sources over
+    (E, r, in) and (E, out, r) views of PEFT's lora_A (r * E, in) and lora_B (out, r * E) weights, taken from PEFT's
+    own get_delta_factors (whose product, times scaling, is the delta PEFT adds to the parameter in its forward), so
+    the core adds exactly that delta's contribution without forming it. None when the wrapper adds nothing (adapters
+    disabled, or merged into the parameter); False when the grouped GEMMs cannot reproduce its forward (several active
+    adapters, disabled adapters that are merged: PEFT unmerges them in its forward; a PEFT without get_delta_factors).
+    """
+    merged, disabled = wrapper.merged, wrapper.disable_adapters
+    if disabled or merged:
+        return False if disabled and merged else None
+    lora_a = wrapper._modules["lora_A"]._modules
+    names = [name for name in wrapper.active_adapters if name in lora_a]
+    if not names:
+        return None
+    dropout = wrapper._modules["lora_dropout"]._modules.get(names[0])
+    if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
+        return False
+    lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
+    # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
+    # expert as its fastest dim, so it is copied (out * r * E elements, with autograd).
+    return _MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout
+
+
+def _moe_rewrite_parameter_adapters(wrappers):
+    """{parameter name: (lora,)} for the adapters of `wrappers` (_moe_rewrite_unwrap's; {} when none adds anything),
+    or False when the loop must run them through PEFT's forward (a parameter wrapped twice included)."""
+    adapters = {}
+    names = [wrapper.__dict__["parameter_name"] for wrapper in wrappers]
+    if len(set(names)) != len(names) or not set(names) <= {"gate_up_proj", "down_proj"}:
+        return False
+    for name, wrapper in zip(names, wrappers):
+        lora = _moe_rewrite_parameter_lora(wrapper)
+        if lora is False:
+            return False
+        if lora is not None:
+            adapters[name] = (lora,)
+    return adapters
+
+
+def _moe_rewrite_load_expert_lora(moe, state_dict, prefix, *args):
+    """load_state_dict pre-hook of the MoE layer (moe_rewrite_fuse_experts registers it): LoRA weights in the standard
+    per-expert format (experts.{i}.gate_proj.lora_A.{adapter}.weight, what PEFT writes for the original file) that
+    arrive where PEFT wrapped the fused parameters instead become the wrappers' weights, as peft converts them for
+    transformers' own models (not for remote code, whose expert adapters would silently not load): down_proj's A and
+    B stacked over the experts, gate_up_proj's rank-2r adapter holding gate_proj's and up_proj's (A stacked, B
+    block-diagonal). What the wrappers cannot hold is an error, never a partial load."""
+    head = prefix + "experts."
+    keys = [k for k in state_dict if k.startswith(head) and ".lora_" in k and k[len(head) :].split(".")[0].isdigit()]
+    experts, wrappers = _moe_rewrite_unwrap(moe._modules["experts"])
+    if not keys or not wrappers or "lora_A" in experts[0]._modules["down_proj"]._modules:
+        return  # nothing per-expert, or the expert views hold LoRA layers of their own that take these keys
+    # PEFT names the adapter in the keys it finds modules for; the others keep the file's name, without one: they
+    # belong to the adapter being loaded, the one PEFT added last.
+    newest = list(wrappers[0]._modules["lora_A"]._modules)[-1:] or [""]
+    parts = {}  # adapter -> {(expert, projection, "lora_A" | "lora_B"): tensor}
+    for key in keys:
+        fields = key[len(head) :].split(".")
+        if len(fields) == 4:
+            fields.insert(3, newest[0])
+        index, projection, lora, adapter, weight = (fields + [""] * 5)[:5]
+        if weight != "weight" or lora not in ("lora_A", "lora_B") or projection not in MOE_REWRITE_PROJECTIONS:
+            raise RuntimeError(f"moe-rewrite: cannot load {key} onto the fused experts PEFT wrapped")
+        parts.setdefault(adapter, {})[int(index), projection, lora] = state_dict.pop(key)
+    count = len(experts)
+    for depth, wrapper in enumerate(wrappers):
+        name, target = wrapper.__dict__["parameter_name"], head + "base_layer." * depth
+        projections = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
+        for adapter, found in parts.items():
+            a = [found.pop((i, p, "lora_A"), None) for i in range(count) for p in projections]
+            b = [found.pop((i, p, "lora_B"), None) for i in range(count) for p in projections]
+            if any(t is None for t in a + b):
+                raise RuntimeError(
+                    f"moe-rewrite: the {adapter!r} adapter lacks some experts' {' or '.join(projections)}"
+                )
+            merged = {
+                "lora_A": torch.cat(a),  # (len(projections) * r * E, in): expert e's rows together
+                # (len(projections) * out, len(projections) * r * E): expert e's columns are e, e + E, ...
+                "lora_B": torch.stack(
+                    [torch.block_diag(*b[i : i + len(projections)]) for i in range(0, len(b), len(projections))], -1
+                ).flatten(1),
+            }
+            for lora, value in merged.items():
+                layer = wrapper._modules[lora]._modules.get(adapter)
+                if layer is None or layer.weight.shape != value.shape:
+                    expected = "no such adapter" if layer is None else f"expected {tuple(layer.weight.shape)}"
+                    raise RuntimeError(
+                        f"moe-rewrite: the per-expert {adapter!r} adapter does not fit PEFT's adapter on {name} "
+                        f"({lora} {tuple(value.shape)}, {expected})"
+                    )
+                state_dict[f"{target}{lora}.{adapter}.weight"] = value
+    left = [key for found in parts.values() for key in found]
+    if left:
+        raise RuntimeError(f"moe-rewrite: per-expert LoRA weights {left[0]} ... have no PEFT adapter to load into")
 
 
 class _MoeRewriteFusedExperts(torch.nn.Module):
@@ -416,9 +527,10 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     3 * E: FSDP, DDP and the optimizer handle each parameter separately, at a host cost per parameter and step.
     experts[i] is expert i as a module whose gate_proj, up_proj and down_proj are nn.Linear views of the parameters
     (no parameters of their own): moe_infer calls them one by one in eval mode, and PEFT's target_modules find and
-    adapt them under the checkpoint's names (experts.{i}.gate_proj). state_dict() uses the parameters' own names, as
-    FSDP and torch.distributed.checkpoint expect; load_state_dict also takes the checkpoint's per-expert keys
-    (experts.{i}.gate_proj.weight, ...), and the model's save_pretrained writes them.
+    adapt them under the checkpoint's names (experts.{i}.gate_proj). PEFT's target_parameters wrap this module itself
+    (parameter_lora.py). state_dict() uses the parameters' own names, as FSDP and torch.distributed.checkpoint expect;
+    load_state_dict also takes the checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's
+    save_pretrained writes them.
     """
 
     def __init__(self, act_fn, gate_w, up_w, down_w):
@@ -449,9 +561,15 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
-    def moe_rewrite_weights(self):
+    def forward(self, x, topk_ids, topk_weight):
+        """The experts' weighted outputs, expert by expert through the views (what PEFT's wrappers call, with their
+        adapters applied to the parameters, when the grouped-GEMM core cannot reproduce them)."""
+        return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
+
+    def moe_rewrite_weights(self, wrappers=()):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+        parameters (parameter_lora.py); None when the loop must run them."""
         projections = _moe_rewrite_projections(self)
         # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
         # as that module, through the loop.
@@ -461,8 +579,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
             for p in column
         )
         adapters = _moe_rewrite_adapters(projections) if intact else False
-        if adapters is False:
+        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
+        if fused_adapters is False:
             return None
+        for name, loras in fused_adapters.items():
+            adapters[name] = adapters.get(name, ()) + loras
         return (
             _MoeRewriteExpertWeight(self.gate_up_proj),
             _MoeRewriteExpertWeight(self.down_proj),
@@ -503,17 +624,6 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         if self.rows is None:
             return experts.down_proj[self.index]
         return experts.gate_up_proj[self.index, self.rows]
-
-
-def _moe_rewrite_refuse_parameter_adapters(experts):
-    """PEFT's adapters on the fused parameters themselves (target_parameters; peft >= 0.18 on transformers 5.x also
-    turns target_modules into them for model_type deepseek_v2/v3) wrap the whole experts module: not supported yet."""
-    if "base_layer" in experts._modules:
-        raise NotImplementedError(
-            "moe-rewrite: PEFT wrapped the fused expert parameters (target_parameters, or peft converting "
-            "target_modules for model_type deepseek_v2/v3 on transformers 5.x), which moe-rewrite does not run yet; "
-            "use transformers 4.x with target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']"
-        )
 
 
 def _moe_rewrite_warn_unfused():
@@ -790,9 +900,10 @@ def _moe_rewrite_restore_buffers(module):
 
 # ---- in class _MoeRewriteFusedExperts:
 
-def moe_rewrite_weights(self):
+def moe_rewrite_weights(self, wrappers=()):
     """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters); None when the loop must run them."""
+        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+        parameters (parameter_lora.py); None when the loop must run them."""
     projections = _moe_rewrite_projections(self)
     # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
     # as that module, through the loop.
@@ -802,8 +913,11 @@ def moe_rewrite_weights(self):
         for p in column
     )
     adapters = _moe_rewrite_adapters(projections) if intact else False
-    if adapters is False:
+    fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
+    if fused_adapters is False:
         return None
+    for name, loras in fused_adapters.items():
+        adapters[name] = adapters.get(name, ()) + loras
     return (
         _MoeRewriteExpertWeight(self.gate_up_proj),
         _MoeRewriteExpertWeight(self.down_proj),
@@ -828,8 +942,23 @@ def moe_train(self, x, topk_ids, topk_weight):
     kernel = _moe_rewrite_kernel(x.device, dtype)
     weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
     if weights is None:
-        return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-    return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self.experts), kernel, dtype)
+        if isinstance(self.experts, torch.nn.ModuleList):
+            return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
+        # fused experts, or PEFT's wrappers around them: their own forward (a loop over the experts)
+        return self.experts(x, topk_ids, topk_weight)
+    return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, weights[0].shape[0], kernel, dtype)
+
+# ---- in class DeepseekV3MoE:
+
+# moe-rewrite: generated method, regenerated on every run
+def moe_rewrite_infer(self, x, topk_ids, topk_weight):
+    """Eval mode's routed experts: the file's own moe_infer, expert by expert, unless the experts cannot be indexed
+        as moe_infer does (PEFT's wrappers around the fused experts, see _moe_rewrite_unwrap); then moe_train runs
+        them with their adapters, without gradients as moe_infer, and returns x's dtype as moe_infer does."""
+    if hasattr(type(self.experts), "__getitem__"):
+        return self.moe_infer(x, topk_ids, topk_weight)
+    with torch.no_grad():
+        return self.moe_train(x, topk_ids, topk_weight).type(x.dtype)
 
 # ---- in class DeepseekV3MoE:
 
@@ -837,11 +966,10 @@ def moe_train(self, x, topk_ids, topk_weight):
 def moe_rewrite_expert_weights(self):
     """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
         loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
-    experts = self.experts
+    experts, wrappers = _moe_rewrite_unwrap(self.experts)
     if isinstance(experts, _MoeRewriteFusedExperts):
-        return experts.moe_rewrite_weights()
-    _moe_rewrite_refuse_parameter_adapters(experts)
-    if _moe_rewrite_linear_weights(experts) is not None:
+        return experts.moe_rewrite_weights(wrappers)
+    if isinstance(experts, torch.nn.ModuleList) and _moe_rewrite_linear_weights(experts) is not None:
         _moe_rewrite_warn_unfused()
     return None
 
@@ -880,6 +1008,7 @@ def moe_rewrite_fuse_experts(self, allow_meta=False):
     if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
         raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
     self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
+    self.register_load_state_dict_pre_hook(_moe_rewrite_load_expert_lora)
     return self.experts
 
 # ---- in class DeepseekV3PreTrainedModel:
