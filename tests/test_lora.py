@@ -101,6 +101,29 @@ def test_lora_on_one_projection_with_the_torch_kernel(tmp_path_factory, monkeypa
     assert_same_step(grouped, step(adapted, ids), rel=2e-2)  # bf16
 
 
+def test_disabled_and_merged_adapters_run_grouped_as_the_base_layers(tmp_path_factory, monkeypatch):
+    """disable_adapter() (as DPO's reference pass uses it) and merge_adapter() leave PEFT's layers running their base
+    layer alone: the grouped GEMMs run the base weights (the merged ones once merged), not the loop."""
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    base = build_model(ckpt, seed=15).eval()
+    adapted = lora(copy.deepcopy(base), seed=16).eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        expected_base, expected = base(input_ids=ids).logits, adapted(input_ids=ids).logits
+        adapted.train()
+        with monkeypatch.context() as patch:
+            no_loop(patch, base)
+            no_loop(patch, adapted.get_base_model())
+            with adapted.disable_adapter():
+                disabled = adapted(input_ids=ids).logits
+            adapted.merge_adapter()
+            merged = adapted(input_ids=ids).logits
+            base.train()
+            trained_base = base(input_ids=ids).logits
+    assert rel_err(expected, expected_base) > 1e-3
+    assert rel_err(disabled, trained_base) < REL and rel_err(merged, expected) < REL
+
+
 def test_adapters_the_grouped_gemms_cannot_reproduce_run_through_the_loop(tmp_path_factory):
     """DoRA changes the forward: the layer falls back to PEFT's own modules, with the same numbers as the loop."""
     model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=4).train()

@@ -358,8 +358,10 @@ def _moe_rewrite_lora(projections):
     """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
     (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
     projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (adapters other than
-    LoRA, some experts adapted and others not, several or disabled adapters, merged weights, DoRA and other variants,
-    LoRA biases, different scalings or dropouts): the per-expert loop runs them then.
+    LoRA, some experts adapted and others not, several active adapters, DoRA and other variants, LoRA biases, different
+    scalings or dropouts, layers in different states): the per-expert loop runs them then. Disabled or merged adapters
+    are None (PEFT's forward runs the base layer alone, which holds W + BA once merged), except both at once (PEFT's
+    forward unmerges then): False.
     """
     # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
     # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
@@ -369,6 +371,11 @@ def _moe_rewrite_lora(projections):
     if not all(wrapped) or not all("lora_A" in p._modules for p in projections):  # other tuners: their own forward
         return False
     first = projections[0]
+    state = (first.disable_adapters, first.merged)
+    if any((p.disable_adapters, p.merged) != state for p in projections) or all(state):
+        return False
+    if any(state):
+        return None
     adapters = list(first.active_adapters)
     if len(adapters) != 1 or adapters[0] not in first._modules["lora_A"]._modules:
         return False
@@ -381,7 +388,7 @@ def _moe_rewrite_lora(projections):
         a = modules["lora_A"]._modules.get(name)
         b = modules["lora_B"]._modules.get(name)
         drop = modules["lora_dropout"]._modules.get(name)
-        if a is None or p.disable_adapters or p.merged or list(p.active_adapters) != adapters:
+        if a is None or list(p.active_adapters) != adapters:
             return False
         if name in p.__dict__.get("lora_variant", ()) or p.use_dora.get(name) or b._parameters.get("bias") is not None:
             return False
