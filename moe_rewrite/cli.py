@@ -3,6 +3,10 @@
 Exit codes: 0 done (or nothing to change), 1 `--in-place` changed a file or `--check`/`--diff` found one to change
 (the pre-commit convention), 2 bad input: one line on stderr, nothing written for it (with several files, the others
 are still handled, and the run exits 2).
+
+Output, as black's: a line per file rewritten (or that would be) on stderr, then one summary line ("2 files rewritten,
+1 file left unchanged, 1 file failed"; a single SOURCE that fails gets its error line alone); `-q` prints errors only,
+`-v` also names the files left unchanged. Diffs go to stdout.
 """
 
 from __future__ import annotations
@@ -19,6 +23,40 @@ from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
 
 NOT_MOE = "not a DeepSeek-family MoE file"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+class Reporter:
+    """Messages on stderr at the user's verbosity (-q: errors only, -v: every file), and the files' outcomes for the
+    summary line."""
+
+    def __init__(self, verbosity: int = 0, checkpointing_asked: bool = False):
+        self.verbosity = verbosity
+        self.checkpointing_asked = checkpointing_asked  # --gradient-checkpointing given on the command line
+        self.counts = {"rewritten": 0, "unchanged": 0, "skipped": 0, "failed": 0}
+
+    def info(self, message: str) -> None:
+        if self.verbosity >= 0:
+            click.echo(message, err=True)
+
+    def detail(self, message: str) -> None:
+        if self.verbosity > 0:
+            click.echo(message, err=True)
+
+    def summary(self, would: bool) -> None:
+        """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""
+        verbs = {
+            "rewritten": "would be rewritten" if would else "rewritten",
+            "unchanged": "would be left unchanged" if would else "left unchanged",
+            "skipped": "skipped",
+            "failed": "failed",
+        }
+        parts = [f"{plural(n, 'file')} {verbs[what]}" for what, n in self.counts.items() if n]
+        if parts:
+            self.info(", ".join(parts))
 
 
 def unified_diff(path: Path, old: str, new: str) -> str:
@@ -69,9 +107,11 @@ def _publish(
     out: Path | None,
     push: publish.Push | None,
     force: bool = False,
+    report: Reporter | None = None,
 ) -> None:
     """--out and/or --push-to-hub for the one SOURCE: everything is planned (and checked) first, then pushed, then
     written, so that a failed push leaves nothing written."""
+    report = report or Reporter()
     checkpoint = publish.plan_checkpoint(src, result.text)
     if out is not None:
         publish.check_out_files(out, checkpoint, force)
@@ -79,12 +119,13 @@ def _publish(
     url = publish.push_to_hub(push, uploaded) if push is not None else None
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
     target = f" -> {written[0]}" if written else ""
-    click.echo(f"Rewrote {src.modeling_file}{target} ({_describe(result, options)})", err=True)
+    report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
     if out is not None:
-        click.echo(f"  {out}: {len(written) - 1} code/config files copied, {len(linked)} files linked", err=True)
+        copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
+        report.info(f"  {out}: {copied} copied, {linked} linked")
     if push is not None:
         done = "opened a pull request on" if push.create_pr else "pushed to"
-        click.echo(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}", err=True)
+        report.info(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}")
 
 
 def _describe(result: RewriteResult, options: RewriteOptions) -> str:
@@ -167,6 +208,8 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     is_flag=True,
     help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).",
 )
+@click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
+@click.option("-v", "--verbose", is_flag=True, help="Also name the files left unchanged or skipped.")
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(
     specs,
@@ -191,12 +234,18 @@ def command(
     commit_message,
     private,
     push_revision,
+    quiet,
+    verbose,
 ) -> int:
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
     """
     _check_modes(specs, out, in_place, check, diff, push_to_hub)
+    if quiet and verbose:
+        raise RewriteError("-q/--quiet and -v/--verbose exclude each other")
+    asked = click.get_current_context().get_parameter_source("gradient_checkpointing")
+    report = Reporter(-1 if quiet else 1 if verbose else 0, asked == click.core.ParameterSource.COMMANDLINE)
     if force and out is None:
         raise RewriteError("--force applies to --out DIR")
     if token is not None and (not token.isprintable() or any(c.isspace() for c in token)):
@@ -223,7 +272,7 @@ def command(
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
     if out is not None or push_to_hub is not None:  # one SOURCE (_check_modes)
         src = sources.resolve(specs[0], revision, token, include_weights)
-        result = _rewrite(src, options, skip_unrecognised)
+        result = _rewrite(src, options, skip_unrecognised, report)
         if result is None:
             return 0
         if out is not None:
@@ -240,32 +289,42 @@ def command(
                 token=token,
             )
         )
-        _publish(src, result, options, out, push, force)
+        _publish(src, result, options, out, push, force, report)
         return 0
-    # Several files: each is checked and written on its own (atomically), so one bad file does not stop the others.
-    changed = failed = 0
+    # Each file is checked and written on its own (atomically), so one bad file does not stop the others.
     for spec in specs:
         try:
-            changed |= _rewrite_file(spec, options, revision, token, skip_unrecognised, in_place, check, diff)
+            outcome = _rewrite_file(spec, options, revision, token, skip_unrecognised, in_place, check, diff, report)
         except (RewriteError, OSError) as e:
             if len(specs) == 1:
-                raise
+                raise  # one line, no summary
             message = str(e) if isinstance(e, RewriteError) else f"{e.filename or spec}: {e.strerror or e}"
             _error(message, [token] if token else [])
-            failed += 1
-    return 2 if failed else changed
+            outcome = "failed"
+        report.counts[outcome] += 1
+    report.summary(would=not in_place)
+    counts = report.counts
+    return 2 if counts["failed"] else 1 if counts["rewritten"] else 0
 
 
-def _rewrite(src: sources.Source, options: RewriteOptions, skip_unrecognised: bool) -> RewriteResult | None:
+def _rewrite(
+    src: sources.Source, options: RewriteOptions, skip_unrecognised: bool, report: Reporter
+) -> RewriteResult | None:
     """The rewrite of one source; None for a file that is not a MoE file at all, with --skip-unrecognised."""
     text = src.read()  # its errors name the file already
     try:
-        return rewrite_source(text, options)
+        result = rewrite_source(text, options)
+        if report.checkpointing_asked and options.gradient_checkpointing and "checkpointing" not in result.sections:
+            report.info(
+                f"note: --gradient-checkpointing changes nothing in {src.name}: its decoder loop checkpoints "
+                "already (V2 form), or it has none"
+            )
+        return result
     except RewriteError as e:
         if skip_unrecognised and isinstance(e, NotMoeFileError):
-            click.echo(f"{src.modeling_file}: skipped ({NOT_MOE})", err=True)
+            report.info(f"{src.name}: skipped ({NOT_MOE})")
             return None
-        raise RewriteError(f"{src.modeling_file}: {e}") from None
+        raise RewriteError(f"{src.name}: {e}") from None
 
 
 def _rewrite_file(
@@ -277,25 +336,30 @@ def _rewrite_file(
     in_place: bool,
     check: bool,
     diff: bool,
-) -> int:
-    """--in-place, --check or --diff for one SOURCE: 1 when it changed (or would), else 0."""
+    report: Reporter,
+) -> str:
+    """--in-place, --check or --diff for one SOURCE: "rewritten" when it changed (or would), "unchanged" or
+    "skipped"."""
     src = sources.resolve(spec, revision, token)
-    result = _rewrite(src, options, skip_unrecognised)
-    if result is None or not result.changed:
-        return 0
+    result = _rewrite(src, options, skip_unrecognised, report)
+    if result is None:
+        return "skipped"
+    if not result.changed:
+        report.detail(f"{src.name}: already rewritten")
+        return "unchanged"
     path = src.modeling_file
     if diff:
-        click.echo(unified_diff(path, src.read(), result.text), nl=False)
+        click.echo(unified_diff(Path(src.name), src.read(), result.text), nl=False)
     if check:
-        click.echo(f"would rewrite {path} ({_describe(result, options)})", err=True)
+        report.info(f"would rewrite {src.name} ({_describe(result, options)})")
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()
         if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
             raise RewriteError(f"{path}: cannot be rewritten in place (not writable)")
         publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
-        click.echo(f"Rewriting {path} ({_describe(result, options)})", err=True)
-    return 1
+        report.info(f"Rewriting {path} ({_describe(result, options)})")
+    return "rewritten"
 
 
 def _secrets(argv: list[str]) -> list[str]:

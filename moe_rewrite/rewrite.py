@@ -28,6 +28,7 @@ class RewriteResult:
     moe_class: str
     gate_class: str
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
+    sections: tuple[str, ...] = ()  # the generated code's sections (templates.SECTIONS names)
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
@@ -60,6 +61,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         moe_class=context.moe.name,
         gate_class=context.moe.gate_class or "",
         compat=context.compat.describe(),
+        sections=tuple(sorted(context.sections)),
     )
 
 

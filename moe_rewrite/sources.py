@@ -31,6 +31,19 @@ class Source:
     weights: bool = False  # a Hub snapshot with every file (--include-weights), not only code and config
     # Code that config.json's auto_map takes from other Hub repos ("org/name--module.Class") and root lacks.
     external: tuple[Path, ...] = ()
+    revision: str | None = None  # a Hub source's --revision
+
+    @property
+    def name(self) -> str:
+        """The modeling file as messages name it: its path, or for a Hub source `org/name@REV/file`, not the Hub
+        cache's snapshot path (REV: the --revision given, else the commit the snapshot holds)."""
+        if self.kind != "hub" or self.root is None:
+            return str(self.modeling_file)
+        snapshot = self.modeling_file.parent
+        if snapshot != self.root:  # taken from another repo (auto_map): the cache names it models--org--name
+            repo = snapshot.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+            return f"{repo}@{snapshot.name[:12]}/{self.modeling_file.name}"
+        return f"{self.spec}@{self.revision or self.root.name[:12]}/{self.modeling_file.name}"
 
     def read(self) -> str:
         return read_text(self.modeling_file)
@@ -90,7 +103,9 @@ def _foreign_repo_of(root: Path, file_name: str) -> str | None:
     return next((repo for _, repo, module in refs if repo and f"{module}.py" == file_name), None)
 
 
-def _from_dir(spec: str, root: Path, kind: str, weights: bool = False, external: tuple[Path, ...] = ()) -> Source:
+def _from_dir(
+    spec: str, root: Path, kind: str, weights: bool = False, external: tuple[Path, ...] = (), revision=None
+) -> Source:
     name = modeling_file_name(root)
     path = root / name
     if not path.is_file():
@@ -100,7 +115,7 @@ def _from_dir(spec: str, root: Path, kind: str, weights: bool = False, external:
         repo = _foreign_repo_of(root, name)
         hint = f" (config.json's auto_map takes it from {repo}: put that repo's {name} here)" if repo else ""
         raise RewriteError(f"{spec}: no {name} in this {where}{hint}")
-    return Source(spec=spec, kind=kind, modeling_file=path, root=root, weights=weights, external=external)
+    return Source(spec, kind, path, root, weights=weights, external=external, revision=revision)
 
 
 def fetch_referenced_code(spec: str, root: Path, token: str | None) -> tuple[Path, ...]:
@@ -137,7 +152,7 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None, we
     if path.suffix == ".py" or not REPO_ID.match(spec):
         raise RewriteError(f"{spec}: no such file or directory")
     root = download_snapshot(spec, revision, token, weights)
-    return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token))
+    return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token), revision)
 
 
 def download_snapshot(repo_id: str, revision: str | None, token: str | None, weights: bool = False) -> Path:

@@ -184,6 +184,7 @@ def test_in_place(tmp_path):
     assert code == 1, err
     assert stdout == ""
     assert f"Rewriting {path}" in err and "Traceback" not in err
+    assert err.endswith("\n1 file rewritten\n")
     once = path.read_bytes()
     assert once != original and b"def moe_train(" in once
     assert once.decode() == patched_text()
@@ -193,7 +194,7 @@ def test_in_place(tmp_path):
     code, stdout, err = run_cli(path, "--in-place")
 
     assert code == 0, err
-    assert (stdout, err) == ("", "")
+    assert (stdout, err) == ("", "1 file left unchanged\n")
     assert path.read_bytes() == once
     assert stat.S_IMODE(path.stat().st_mode) == 0o750
 
@@ -233,12 +234,34 @@ def test_in_place_one_bad_file_does_not_stop_the_others(tmp_path):
     code, out, err = run_cli(tmp_path / "bad.py", good, tmp_path / "gone.py", "--in-place")
     assert code == 2 and out == "" and "Traceback" not in err
     lines = err.splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert lines[0].startswith(f"moe-rewrite: error: {tmp_path / 'bad.py'}: not a DeepSeek-family MoE file")
     assert lines[1].startswith(f"Rewriting {good}")
     assert lines[2].startswith(f"moe-rewrite: error: {tmp_path / 'gone.py'}: no such file")
+    assert lines[3] == "1 file rewritten, 2 files failed"
     assert good.read_text() == patched_text(SMALL_V3)
     assert (tmp_path / "bad.py").read_text() == "x = 1\n" and not (tmp_path / "gone.py").exists()
+
+
+def test_several_files_end_with_one_summary_line_and_quiet_and_verbose(tmp_path):
+    """As black: a line per file rewritten, one summary line; -q prints nothing but errors, -v names the files left
+    unchanged too."""
+    v3, v2 = copy_modeling(tmp_path, "v3.py", SMALL_V3), copy_modeling(tmp_path, "v2.py", SMALL_V2)
+    done = tmp_path / "done.py"
+    done.write_text(patched_text(SMALL_V3))
+    code, _, err = run_cli(v3, done, "--check", "-v")
+    assert code == 1
+    assert err.splitlines() == [
+        err.splitlines()[0],
+        f"{done}: already rewritten",
+        "1 file would be rewritten, 1 file would be left unchanged",
+    ] and err.startswith(f"would rewrite {v3} (V3 form")
+    assert run_cli(v3, v2, done, "--check", "-q") == (1, "", "")
+    code, _, err = run_cli(v3, v2, done, "--in-place")
+    assert code == 1 and err.splitlines()[-1] == "2 files rewritten, 1 file left unchanged"
+    assert run_cli(v3, v2, done, "--in-place", "--quiet") == (0, "", "")
+    code, _, err = run_cli(v3, "--check", "-q", "-v")
+    assert code == 2 and "exclude each other" in err
 
 
 def test_crlf_in_place_stays_crlf(tmp_path):
@@ -257,7 +280,7 @@ def test_crlf_in_place_stays_crlf(tmp_path):
     assert data == patched_text().replace("\n", "\r\n").encode()
 
     code, _, err = run_cli(path, "--in-place")
-    assert (code, err) == (0, "")
+    assert (code, err) == (0, "1 file left unchanged\n")
     assert path.read_bytes() == data
 
 
@@ -273,12 +296,12 @@ def test_check(tmp_path):
     assert code == 1
     assert stdout == ""
     assert err.startswith(f"would rewrite {path} (V3 form")
-    assert err.count("\n") == 1
+    assert err.endswith(")\n1 file would be rewritten\n") and err.count("\n") == 2
     assert tree(tmp_path) == before
 
     path.write_text(patched_text())
     before = tree(tmp_path)
-    assert run_cli(path, "--check") == (0, "", "")
+    assert run_cli(path, "--check") == (0, "", "1 file would be left unchanged\n")  # says so
     assert tree(tmp_path) == before
 
 
@@ -300,7 +323,7 @@ def test_diff(tmp_path):
     assert apply_unified_diff(original, stdout) == expected
 
     path.write_text(expected)
-    assert run_cli(path, "--diff") == (0, "", "")
+    assert run_cli(path, "--diff") == (0, "", "1 file would be left unchanged\n")
 
 
 # ----------------------------------------------------------------------------------------------------------- errors
@@ -565,7 +588,7 @@ def test_skip_unrecognised_in_place_rewrites_the_moe_file_and_reports_the_other(
 
     # Already rewritten: only the skipped file is reported, exit 0.
     code, stdout, err = run_cli(dense, moe, "--in-place", "--skip-unrecognised")
-    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n")
+    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n1 file left unchanged, 1 file skipped\n")
     assert moe.read_text() == patched_text(SMALL_V3)
     assert dense.read_text() == DENSE
 
@@ -577,7 +600,7 @@ def test_skip_unrecognised_alone_exits_0(tmp_path, mode):
 
     code, stdout, err = run_cli(dense, mode, "--skip-unrecognised")
 
-    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n")
+    assert (code, stdout, err) == (0, "", f"{dense}: {SKIPPED}\n1 file skipped\n")
     assert tree(tmp_path) == before
 
 
@@ -590,7 +613,7 @@ def test_skip_unrecognised_with_diff_prints_only_the_moe_diff(tmp_path):
     code, stdout, err = run_cli(moe, dense, "--diff", "--skip-unrecognised")
 
     assert code == 1, err
-    assert err == f"{dense}: {SKIPPED}\n"
+    assert err == f"{dense}: {SKIPPED}\n1 file would be rewritten, 1 file skipped\n"
     posix = moe.as_posix().lstrip("/")
     assert stdout.startswith(f"--- a/{posix}\n+++ b/{posix}\n@@ ")
     assert "dense" not in stdout
@@ -607,7 +630,8 @@ def test_skip_unrecognised_with_check(tmp_path):
 
     assert code == 1, err
     assert stdout == ""
-    assert err.splitlines() == [f"{dense}: {SKIPPED}", err.splitlines()[1]]
+    summary = "1 file would be rewritten, 1 file skipped"
+    assert err.splitlines() == [f"{dense}: {SKIPPED}", err.splitlines()[1], summary]
     assert err.splitlines()[1].startswith(f"would rewrite {moe} (V3 form")
     assert tree(tmp_path) == before
 
@@ -675,8 +699,10 @@ def test_skip_unrecognised_other_errors_still_exit_2_for_that_file(tmp_path, cas
     code, stdout, err = run_cli(dense, moe, bad, mode, "--skip-unrecognised")
 
     assert code == 2 and "Traceback" not in err
-    skipped, done, error = err.splitlines()[0], err.splitlines()[-2], err.splitlines()[-1]
+    skipped, done, error, summary = err.splitlines()[0], *err.splitlines()[-3:]
     assert skipped == f"{dense}: {SKIPPED}"
+    rewritten = "rewritten" if mode == "--in-place" else "would be rewritten"
+    assert summary == f"1 file {rewritten}, 1 file skipped, 1 file failed"
     assert done.startswith(f"{'Rewriting' if mode == '--in-place' else 'would rewrite'} {moe}") or mode == "--diff"
     assert error.startswith(f"moe-rewrite: error: {bad}:") and all(m in error for m in mentions), error
     files_before, files_after = before[0], snapshot(tmp_path)
@@ -711,3 +737,16 @@ def test_unreadable_text_is_named_once(tmp_path):
     bad.write_bytes(b"\xff\xfe\x00 not utf-8")
     code, _, err = run_cli(bad, "--check")
     assert code == 2 and err.count(str(bad)) == 1 and "not UTF-8" in err
+
+
+def test_an_option_that_changes_nothing_says_so(tmp_path):
+    """The V2 form checkpoints its decoder layers itself: --gradient-checkpointing (the default) adds nothing, and
+    asking for it says so; the V3 form gets it silently."""
+    v2 = copy_modeling(tmp_path, "v2.py", SMALL_V2)
+    code, _, err = run_cli(v2, "--check", "--gradient-checkpointing")
+    assert code == 1 and f"note: --gradient-checkpointing changes nothing in {v2}" in err
+    code, _, err = run_cli(v2, "--check")
+    assert code == 1 and "note:" not in err
+    v3 = copy_modeling(tmp_path, "v3.py")
+    code, _, err = run_cli(v3, "--check", "--gradient-checkpointing")
+    assert code == 1 and "note:" not in err

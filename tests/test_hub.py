@@ -173,7 +173,8 @@ def test_out_from_hub_repo(tmp_path, hub_cache):
     assert code == 0, err
     assert stdout == ""
     assert "Traceback" not in err
-    assert f"snapshots/{MAIN_COMMIT}/{MODELING}" in err  # the snapshot refs/main points at
+    # named by repo id and the commit of the snapshot refs/main points at, not by the cache path
+    assert f"Rewrote {REPO}@{MAIN_COMMIT[:12]}/{MODELING} -> " in err and "snapshots" not in err
     text = assert_code_only_checkpoint(out, V3_DIR)
     assert "class DeepseekV3MoE" in text and "def moe_train(" in text
     assert not (out / "model.safetensors").exists() and not (out / "model.safetensors").is_symlink()
@@ -199,7 +200,7 @@ def test_revision_branch(tmp_path, hub_cache, cli):
     code, _, err = cli(REPO, "--revision", "v2", "--out", out)
 
     assert code == 0, err
-    assert f"snapshots/{V2_COMMIT}/{MODELING}" in err
+    assert f"Rewrote {REPO}@v2/{MODELING} -> " in err
     assert "V2 form" in err
     text = assert_code_only_checkpoint(out, V2_DIR)
     assert "class DeepseekV2MoE" in text and "def moe_train(" in text
@@ -210,7 +211,7 @@ def test_revision_branch(tmp_path, hub_cache, cli):
 def test_revision_commit_hash(cli):
     code, _, err = cli(REPO, "--revision", V2_COMMIT, "--check")
     assert code == 1, err
-    assert f"would rewrite {repo_dir_of(REPO)}/snapshots/{V2_COMMIT}/{MODELING} (V2 form" in err
+    assert f"would rewrite {REPO}@{V2_COMMIT}/{MODELING} (V2 form" in err
 
 
 def test_check_on_hub_repo(hub_cache, cli):
@@ -220,8 +221,8 @@ def test_check_on_hub_repo(hub_cache, cli):
 
     assert code == 1, err
     assert stdout == ""
-    assert err.startswith(f"would rewrite {repo_dir_of(REPO)}/snapshots/{MAIN_COMMIT}/{MODELING} (V3 form")
-    assert err.count("\n") == 1
+    assert err.startswith(f"would rewrite {REPO}@{MAIN_COMMIT[:12]}/{MODELING} (V3 form")
+    assert err.endswith("\n1 file would be rewritten\n") and err.count("\n") == 2
     assert cache_state(hub_cache) == before
 
 

@@ -197,3 +197,28 @@ def test_check_hook_fails_with_the_diff_and_changes_nothing(tmp_path, env, insta
     assert f"a/{LOOKALIKE}" not in output and f"a/{UNRELATED}" not in output
     assert files(consumer) == before
     assert _git(consumer, env, "status", "--porcelain") == ""
+
+
+def readme_snippet() -> str:
+    """The .pre-commit-config.yaml of README.md's pre-commit section, as a user copies it."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## pre-commit") :]
+    return section[section.index("```yaml\n") + len("```yaml\n") : section.index("```\n", section.index("```yaml"))]
+
+
+def test_the_readme_snippet_works_as_written(tmp_path, env, installed):
+    """README's config with only its two placeholders filled in (the repository and a commit of it): both hooks run."""
+    snippet = readme_snippet()
+    assert "<org>" in snippet and "<tag-or-commit>" in snippet
+    repo, rev = installed
+    config = snippet.replace("https://github.com/<org>/moe-rewrite", str(repo)).replace("<tag-or-commit>", rev)
+    consumer = make_consumer(tmp_path, env, installed)
+    (consumer / ".pre-commit-config.yaml").write_text(config)
+    _git(consumer, env, "commit", "-q", "-am", "README's hook config")
+    check = pre_commit(consumer, env, "run", "moe-rewrite-check", "--all-files")
+    assert check.returncode == 1 and f"--- a/{VENDORED}" in check.stdout + check.stderr
+    rewrite = pre_commit(consumer, env, "run", "moe-rewrite", "--all-files")
+    assert rewrite.returncode == 1 and f"Rewriting {VENDORED} (V3 form" in rewrite.stdout + rewrite.stderr
+    assert pre_commit(consumer, env, "run", "--all-files").returncode == 0
+    options = RewriteOptions(backend="auto")
+    assert (consumer / VENDORED).read_text() == rewrite_source((V3_DIR / MODELING).read_text(), options).text
