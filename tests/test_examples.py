@@ -1,0 +1,65 @@
+"""examples/finetune.py, as a user runs it, on the V3-form stand-in at its tiny size: LoRA with the Trainer, and full
+fine-tuning in a plain loop with gradient checkpointing and the bias update; each saves, reloads and must reload the
+model it trained."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from conftest import ROOT, build_model, patched_checkpoint  # noqa: E402
+
+SCRIPT = ROOT / "examples" / "finetune.py"
+
+
+def checkpoint_with_weights(tmp_path_factory, *options: str):
+    """The stand-in rewritten with `options`, saved with random weights as a complete checkpoint."""
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3", *options), seed=0)
+    path = tmp_path_factory.mktemp("weights") / "checkpoint"
+    model.save_pretrained(path)
+    return path
+
+
+def finetune(checkpoint, out, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(checkpoint), "--out", str(out), "--steps", "3", "--seq-len", "16", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"reloaded: max \|logits - trained model's\| = (\S+)", proc.stdout)
+    assert found, proc.stdout
+    assert float(found.group(1)) < 1e-5, proc.stdout  # the reloaded model is the trained one
+    return proc.stdout + proc.stderr
+
+
+def test_lora_with_the_trainer(tmp_path_factory, tmp_path):
+    output = finetune(checkpoint_with_weights(tmp_path_factory), tmp_path / "lora", "--lora", "--lora-rank", "4")
+    assert "trainable params" in output and "'loss'" in output
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "lora" / "adapter_model.safetensors")
+    assert any(".mlp.experts.0.gate_proj.lora_B" in k for k in adapter)  # the routed experts were adapted
+
+
+def test_full_fine_tuning_in_a_loop_with_checkpointing_and_the_bias_update(tmp_path_factory, tmp_path):
+    checkpoint = checkpoint_with_weights(tmp_path_factory, "--bias-update", "0.01")
+    output = finetune(checkpoint, tmp_path / "full", "--loop", "--gradient-checkpointing", "--lr", "1e-3")
+    losses = [float(x) for x in re.findall(r"step \d+: loss (\S+)", output)]
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    from safetensors.torch import load_file
+
+    before, after = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "full" / "model.safetensors")
+    assert after.keys() == before.keys() and "model.layers.1.mlp.experts.0.gate_proj.weight" in after
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.count_nonzero(after[bias]) > 0 and torch.equal(before[bias], torch.zeros_like(before[bias]))
+    assert not torch.equal(
+        after["model.layers.1.mlp.experts.0.down_proj.weight"], before["model.layers.1.mlp.experts.0.down_proj.weight"]
+    )
