@@ -240,6 +240,7 @@ def command(
     """Make DeepSeek-family MoE remote code trainable with grouped-GEMM experts.
 
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
+    `moe-rewrite env` prints the installed versions and the kernel the generated code picks on this machine.
     """
     _check_modes(specs, out, in_place, check, diff, push_to_hub)
     if quiet and verbose:
@@ -385,6 +386,11 @@ def _error(message: str, tokens: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["env"] and not Path("env").exists():  # `moe-rewrite env`; a path named env needs ./env
+        from moe_rewrite.env import report
+
+        click.echo("\n".join(report()))
+        return 0
     try:
         return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:

@@ -750,3 +750,28 @@ def test_an_option_that_changes_nothing_says_so(tmp_path):
     v3 = copy_modeling(tmp_path, "v3.py")
     code, _, err = run_cli(v3, "--check", "--gradient-checkpointing")
     assert code == 1 and "note:" not in err
+
+
+def test_env_names_the_versions_the_support_range_and_the_kernel(monkeypatch):
+    import importlib.metadata
+
+    import transformers
+
+    from moe_rewrite.env import transformers_support
+
+    code, stdout, err = run_cli("env")
+    assert code == 0 and err == "", err
+    lines = stdout.splitlines()
+    assert f"torch: {importlib.metadata.version('torch')}" in lines
+    assert f"transformers: {transformers.__version__}: in the tested range (4.46 to 5.24)" in lines
+    assert "grouped_gemm: not installed" in lines
+    assert (
+        "kernel on cpu (bf16, backend auto): sorted: the portable pass over experts' row slices (no CUDA device)"
+        in lines
+    )
+    assert "older than the tested releases" in transformers_support("4.40.2")
+    assert "newer than the tested releases" in transformers_support("6.0.0")
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
+    assert (
+        "kernel on cpu (bf16, backend loop): loop: MOE_REWRITE_BACKEND=loop (the per-expert loop)" in run_cli("env")[1]
+    )

@@ -1,0 +1,91 @@
+"""`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
+the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why. The kernel comes from
+the generated code's own choice (templates/grouped_gemm.py), so it is what a rewritten file does on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+
+from moe_rewrite import __version__
+from moe_rewrite.templates import template_dir
+
+# The oldest and newest transformers releases the test suite runs the rewritten files on (README, "transformers
+# releases"); versions in between are covered too.
+TESTED_TRANSFORMERS = ((4, 46), (5, 24))
+PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "libcst", "grouped_gemm")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def transformers_support(version: str | None) -> str:
+    if version is None:
+        return "not installed (the rewritten files need it; the rewriter does not)"
+    try:
+        minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"{version} (not a release number moe-rewrite can compare)"
+    low, high = TESTED_TRANSFORMERS
+    tested = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    if minor < low:
+        return f"{version}: older than the tested releases ({tested}); not supported"
+    if minor > high:
+        return f"{version}: newer than the tested releases ({tested}); expected to work, not tested"
+    return f"{version}: in the tested range ({tested})"
+
+
+def _runtime():
+    """templates/grouped_gemm.py as a module: the generated code's kernel choice, as the rewritten files run it."""
+    spec = importlib.util.spec_from_file_location("_moe_rewrite_env_runtime", template_dir() / "grouped_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _why(kernel: str, device, torch) -> str:
+    if kernel == "loop":
+        return "MOE_REWRITE_BACKEND=loop (the per-expert loop)"
+    if kernel == "torch":
+        return "torch._grouped_mm (bf16 on sm90 and later)"
+    if kernel == "grouped_gemm":
+        return "the grouped_gemm package's CUTLASS kernels"
+    if device.type != "cuda":
+        return "the portable pass over experts' row slices (no CUDA device)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return f"the portable pass (torch {torch.__version__} has no _grouped_mm; grouped_gemm not installed)"
+    return f"the portable pass (sm{major}{minor}: torch._grouped_mm is fast from sm90; grouped_gemm not installed)"
+
+
+def report() -> list[str]:
+    """The lines `moe-rewrite env` prints."""
+    lines = [f"moe-rewrite {__version__}, python {platform.python_version()}, templates in {template_dir()}"]
+    versions = {package: _version(package) for package in PACKAGES}
+    for package, version in versions.items():
+        shown = transformers_support(version) if package == "transformers" else version or "not installed"
+        lines.append(f"{package}: {shown}")
+    if versions["torch"] is None:
+        lines.append("kernel: none (the rewritten files need torch >= 2.5)")
+        return lines
+    import torch
+
+    runtime = _runtime()
+    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
+    backend = runtime._moe_rewrite_setting("MOE_REWRITE_BACKEND", runtime.MOE_REWRITE_OPTIONS["backend"])
+    for device in devices:
+        dtype = torch.bfloat16
+        try:
+            kernel = runtime._moe_rewrite_choose_kernel(device, dtype)
+        except (RuntimeError, ValueError) as e:  # MOE_REWRITE_BACKEND asks for what this machine lacks
+            lines.append(f"kernel on {device} (bf16): error: {e}")
+            continue
+        name = f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
+        lines.append(f"kernel on {device} ({name}bf16, backend {backend}): {kernel}: {_why(kernel, device, torch)}")
+    return lines
