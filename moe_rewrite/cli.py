@@ -269,7 +269,7 @@ def command(
         fuse_experts=fuse_experts,
         compat=compat,
     )
-    if in_place and (hub := next((s for s in specs if sources.REPO_ID.match(s) and not Path(s).exists()), None)):
+    if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
     if out is not None or push_to_hub is not None:  # one SOURCE (_check_modes)
         src = sources.resolve(specs[0], revision, token, include_weights)

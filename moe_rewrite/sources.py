@@ -16,6 +16,27 @@ DEFAULT_MODELING_FILE = "modeling_deepseek.py"
 HUB_CODE_PATTERNS = ["*.py", "*.json"]
 HUB_IGNORE_PATTERNS = ["*.index.json"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A model page's address, as pasted from a browser: https://huggingface.co/org/name[/tree/REVISION[/...]]
+HUB_URL = re.compile(
+    r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(?P<repo>[^/?#]+/[^/?#]+)"
+    r"(?:/(?:tree|blob|resolve)/(?P<revision>[^/?#]+))?(?:[/?#].*)?$"
+)
+
+
+def hub_repo(spec: str, revision: str | None = None) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `spec` names a Hub model repo, by id (org/name) or by its page's URL (whose
+    /tree/REVISION gives the revision); None for anything else. A local path of that shape is not a repo."""
+    if Path(spec).exists():
+        return None
+    found = HUB_URL.match(spec)
+    if found is None:
+        return (spec, revision) if REPO_ID.match(spec) else None
+    repo, in_url = found.group("repo"), found.group("revision")
+    if repo.split("/")[0] in ("datasets", "spaces") or not REPO_ID.match(repo):
+        raise RewriteError(f"{spec}: not a Hub model repository")
+    if revision is not None and in_url is not None and revision != in_url:
+        raise RewriteError(f"{spec}: names revision {in_url}, but --revision says {revision}")
+    return repo, revision or in_url
 
 
 def is_hub_code_file(name: str) -> bool:
@@ -149,8 +170,10 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None, we
         if weights:
             raise RewriteError(f"{spec}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
         return Source(spec=spec, kind="file", modeling_file=path, root=None)
-    if path.suffix == ".py" or not REPO_ID.match(spec):
+    repo = hub_repo(spec, revision)
+    if path.suffix == ".py" or repo is None:
         raise RewriteError(f"{spec}: no such file or directory")
+    spec, revision = repo
     root = download_snapshot(spec, revision, token, weights)
     return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token), revision)
 

@@ -253,3 +253,30 @@ def test_hub_errors(tmp_path, hub_cache, cli, args, mentions):
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
     assert cache_state(hub_cache) == before
+
+
+@pytest.mark.parametrize(
+    "url, where",
+    [
+        (f"https://huggingface.co/{REPO}", f"{REPO}@{MAIN_COMMIT[:12]}"),
+        (f"https://huggingface.co/{REPO}/tree/v2", f"{REPO}@v2"),
+        (f"hf.co/{REPO}/blob/main/config.json", f"{REPO}@main"),
+    ],
+)
+def test_a_hub_url_pasted_as_source_is_the_repo(cli, url, where):
+    """A model page's address (with /tree/REVISION) names the repo and revision, as `org/name --revision` would."""
+    code, _, err = cli(url, "--check")
+    assert code == 1 and err.startswith(f"would rewrite {where}/{MODELING} ("), err
+
+
+@pytest.mark.parametrize(
+    "args, mentions",
+    [
+        ((f"https://huggingface.co/datasets/{REPO}", "--check"), "not a Hub model repository"),
+        ((f"https://huggingface.co/{REPO}/tree/v2", "--revision", "main", "--check"), "--revision says main"),
+        ((f"https://huggingface.co/{REPO}", "--in-place"), "cannot be rewritten in place"),
+    ],
+)
+def test_hub_url_errors(cli, args, mentions):
+    code, stdout, err = cli(*args)
+    assert code == 2 and stdout == "" and err.count("\n") == 1 and mentions in err, err
