@@ -18,18 +18,23 @@ LORA_RELEASE := $(lastword $(COMPAT_RELEASES))
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@echo "==> creating the virtualenv $(VENV)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	@echo "==> installing $(TORCH) (CPU build; the largest download)"
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on "$(TORCH)"
+	@echo "==> installing moe-rewrite and its test dependencies"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
 	touch $@
 
 demo: venv
+	@echo "==> running examples/demo.py"
 	$(PY) examples/demo.py
 
 compat-envs: $(COMPAT_ENVS)
 
 .venv-tf/%/.installed: $(VENV)/.installed
+	@echo "==> installing transformers $* in .venv-tf/$* (compat tests)"
 	rm -rf .venv-tf/$*
 	$(PYTHON) -m venv .venv-tf/$*
 	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
