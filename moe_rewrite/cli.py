@@ -123,6 +123,9 @@ def _publish(
     if out is not None:
         copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
         report.info(f"  {out}: {copied} copied, {linked} linked")
+    config = src.root / "config.json" if src.root is not None else None
+    if config is not None and config.is_file() and checkpoint.files.get("config.json") != config.read_bytes():
+        report.info("  config.json: auto_map now takes the code from the patched files beside it")
     if push is not None:
         done = "opened a pull request on" if push.create_pr else "pushed to"
         report.info(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}")

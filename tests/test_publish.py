@@ -286,6 +286,7 @@ def test_auto_map_pointing_elsewhere_is_made_local(tmp_path, hub_api, ensure_asc
         "AutoTokenizer": ["tokenization_deepseek.DeepseekTokenizer", None],
     }
     assert (out / MODELING).read_text() == patched_text()
+    assert "config.json: auto_map now takes the code from the patched files beside it" in err  # the edit is visible
     (commit,) = calls_named(hub_api.calls, "create_commit")
     uploaded = dict(commit["operations"])
     assert uploaded["config.json"].encode() == written
@@ -298,6 +299,7 @@ def test_config_without_foreign_auto_map_is_copied_as_it_is(tmp_path):
     src = local_checkpoint(tmp_path, original)
     code, _, err = run_cli(src, "--out", tmp_path / "out")
     assert code == 0, err
+    assert "auto_map" not in err
     assert (tmp_path / "out" / "config.json").read_bytes() == original
 
 
