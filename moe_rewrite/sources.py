@@ -178,10 +178,75 @@ def resolve(spec: str, revision: str | None = None, token: str | None = None, we
     return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token), revision)
 
 
+# A Hub that accepts connections and never answers must not hang the command: after HUB_PATIENCE seconds it says it
+# is waiting, after HUB_DEADLINE it falls back to the cached snapshot (or fails, naming HF_HUB_OFFLINE=1).
+HUB_PATIENCE = 5.0
+HUB_DEADLINE = 60.0
+
+
+def _hub_deadline() -> float:
+    """HUB_DEADLINE, or MOE_REWRITE_HUB_TIMEOUT seconds."""
+    import os
+
+    try:
+        return float(os.environ.get("MOE_REWRITE_HUB_TIMEOUT") or HUB_DEADLINE)
+    except ValueError:
+        raise RewriteError("MOE_REWRITE_HUB_TIMEOUT: not a number of seconds") from None
+
+
 def download_snapshot(repo_id: str, revision: str | None, token: str | None, weights: bool = False) -> Path:
     """The repo's code and config files (with `weights`, every file, shown with huggingface_hub's progress bars) in
-    the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir."""
-    from huggingface_hub import constants, snapshot_download
+    the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir.
+
+    The download runs in a worker thread: after HUB_PATIENCE seconds without an answer a line says that the Hub is
+    being contacted; a code-and-config fetch that has no answer after the deadline uses the cached snapshot, with a
+    line saying so, or fails with one line (a download of weights, with its progress bars, is not cut short)."""
+    import sys
+    import threading
+
+    from huggingface_hub import constants
+
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    if constants.HF_HUB_OFFLINE:
+        return _snapshot(repo_id, revision, token, weights, at, offline=True)
+    done: dict = {}
+
+    def fetch() -> None:
+        try:
+            done["path"] = _snapshot(repo_id, revision, token, weights, at, offline=False)
+        except BaseException as e:  # handed to the caller's thread
+            done["error"] = e
+
+    worker = threading.Thread(target=fetch, daemon=True)  # daemon: a Hub that never answers does not block exit
+    worker.start()
+    deadline = None if weights else _hub_deadline()
+    worker.join(HUB_PATIENCE if deadline is None else min(HUB_PATIENCE, deadline / 2))
+    if worker.is_alive():
+        print(f"moe-rewrite: contacting the Hub for {at} ...", file=sys.stderr, flush=True)
+        worker.join(None if deadline is None else max(0.0, deadline - min(HUB_PATIENCE, deadline / 2)))
+    if worker.is_alive():
+        try:
+            path = _snapshot(repo_id, revision, token, weights, at, offline=True)
+        except RewriteError:
+            raise RewriteError(
+                f"{at}: the Hub did not answer within {deadline:g} s and the repo is not in the local cache; check "
+                "the network, or set HF_HUB_OFFLINE=1 to work from the cache"
+            ) from None
+        print(
+            f"moe-rewrite: the Hub did not answer within {deadline:g} s; using the cached snapshot of {at} "
+            f"({path.name[:12]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return path
+    if "error" in done:
+        raise done["error"]
+    return done["path"]
+
+
+def _snapshot(repo_id: str, revision: str | None, token: str | None, weights: bool, at: str, offline: bool) -> Path:
+    """huggingface_hub's snapshot_download, its errors as one-line RewriteErrors naming `at`."""
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -191,7 +256,6 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
         RevisionNotFoundError,
     )
 
-    at = f"{repo_id}@{revision}" if revision else repo_id
     try:
         return Path(
             snapshot_download(
@@ -201,7 +265,7 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
                 allow_patterns=None if weights else HUB_CODE_PATTERNS,
                 ignore_patterns=None if weights else HUB_IGNORE_PATTERNS,
                 # huggingface_hub 1.x only blocks HTTP when offline; this makes it answer from the cache, as 0.x does.
-                local_files_only=constants.HF_HUB_OFFLINE,
+                local_files_only=offline,
             )
         )
     except GatedRepoError:

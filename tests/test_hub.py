@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,42 @@ def test_a_hub_url_pasted_as_source_is_the_repo(cli, url, where):
 def test_hub_url_errors(cli, args, mentions):
     code, stdout, err = cli(*args)
     assert code == 2 and stdout == "" and err.count("\n") == 1 and mentions in err, err
+
+
+@pytest.fixture
+def silent_hub():
+    """A Hub endpoint that accepts connections (the kernel completes them from the listen backlog) and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def run_against(endpoint: str, *args) -> tuple[int, str, str, float]:
+    env = {**hub_env(), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": endpoint, "MOE_REWRITE_HUB_TIMEOUT": "3"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rewrite", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+def test_a_hub_that_never_answers_falls_back_to_the_cache_and_says_so(hub_cache, silent_hub):
+    code, _, err, took = run_against(silent_hub, REPO, "--check")
+    lines = err.splitlines()
+    assert code == 1 and took < 30, err
+    assert lines[0] == f"moe-rewrite: contacting the Hub for {REPO} ..."
+    assert lines[1] == (
+        f"moe-rewrite: the Hub did not answer within 3 s; using the cached snapshot of {REPO} ({MAIN_COMMIT[:12]})"
+    )
+    assert lines[2].startswith(f"would rewrite {REPO}@{MAIN_COMMIT[:12]}/{MODELING} (V3 form")
+
+
+def test_a_hub_that_never_answers_fails_in_one_line_without_a_cache(hub_cache, silent_hub, tmp_path):
+    code, stdout, err, took = run_against(silent_hub, "nobody/nothing", "--out", tmp_path / "out")
+    lines = err.splitlines()
+    assert code == 2 and stdout == "" and took < 30 and "Traceback" not in err, err
+    assert lines == [lines[0], lines[1]] and lines[0] == "moe-rewrite: contacting the Hub for nobody/nothing ..."
+    assert lines[1].startswith("moe-rewrite: error: nobody/nothing: the Hub did not answer within 3 s")
+    assert "HF_HUB_OFFLINE=1" in lines[1] and not (tmp_path / "out").exists()
