@@ -57,7 +57,7 @@ def _why(kernel: str, device, torch) -> str:
     if kernel == "grouped_gemm":
         return "the grouped_gemm package's CUTLASS kernels"
     if device.type != "cuda":
-        return "the portable pass over experts' row slices (no CUDA device)"
+        return "the portable pass over experts' row slices (activations on the CPU)"
     major, minor = torch.cuda.get_device_capability(device)
     if not hasattr(torch, "_grouped_mm"):
         return f"the portable pass (torch {torch.__version__} has no _grouped_mm; grouped_gemm not installed)"
