@@ -306,6 +306,28 @@ def _first_line(e: BaseException, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
+def _is_network_error(e: BaseException) -> bool:
+    """A connection that failed or timed out, as requests (huggingface_hub 0.x) or httpx (1.x) reports it."""
+    names = {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "ConnectError", "TimeoutException"}
+    network = type(e).__module__.startswith(("httpx", "requests", "urllib3"))
+    return isinstance(e, (ConnectionError, TimeoutError)) or (
+        network and bool(names & {c.__name__ for c in type(e).__mro__})
+    )
+
+
+def _network_reason(e: BaseException) -> str:
+    """The reason inside the library's text ("Connection refused", "timed out"), not its object addresses."""
+    import re
+
+    text = str(e)
+    found = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found.group(1).strip()
+    if "timed out" in text.lower() or "Timeout" in type(e).__name__:
+        return "timed out"
+    return "network error"
+
+
 def push_error(push: Push, e: Exception) -> Exception:
     """The one-line RewriteError for a failed push (the exception itself when it is not a Hub or network error)."""
     from huggingface_hub.errors import (
@@ -331,6 +353,8 @@ def push_error(push: Push, e: Exception) -> Exception:
         message = f"permission denied: the token cannot write to this repository{pr_hint}"
     elif isinstance(e, OfflineModeIsEnabled):
         message = "cannot push while HF_HUB_OFFLINE is set"
+    elif _is_network_error(e):
+        message = f"cannot reach the Hub ({_network_reason(e)}); nothing was pushed"
     elif isinstance(e, (HfHubHTTPError, OSError, ValueError)) or type(e).__module__.startswith(("httpx", "requests")):
         message = f"push failed ({_first_line(e, push.token)})"
     else:

@@ -34,7 +34,27 @@ def make_error(kind: str) -> Exception:
         return RevisionNotFoundError(f"404 Client Error. Revision Not Found for url: {url}.", response=_response(404))
     if kind == "server_echoes_token":
         return HfHubHTTPError(f"500 Server Error: bad header 'Bearer {TOKEN}'\nmore", response=_response(500))
+    if kind == "refused":  # what requests (huggingface_hub 0.x) raises, urllib3's text inside
+        message = (
+            "HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded with url: /api/repos/create "
+            "(Caused by NewConnectionError('<urllib3.connection.HTTPSConnection object at 0x7f3a2c1d0e50>: Failed "
+            "to establish a new connection: [Errno 111] Connection refused'))"
+        )
+        return _network_error("ConnectionError", message)
+    if kind == "timeout":
+        return _network_error("ReadTimeout", "The read operation timed out")
     raise ValueError(kind)
+
+
+def _network_error(name: str, message: str) -> Exception:
+    """requests' exception of that name (huggingface_hub 0.x), else httpx's closest one (1.x)."""
+    try:
+        import requests.exceptions as module
+    except ImportError:
+        import httpx as module
+
+        name = {"ConnectionError": "ConnectError"}.get(name, name)
+    return getattr(module, name)(message)
 
 
 class RecordingHfApi:

@@ -186,6 +186,8 @@ def test_push_with_out_uploads_exactly_the_files_out_writes(tmp_path, hub_api):
         ("create_commit", "gated", ["--create-pr"], ["me/x", "gated"]),
         ("create_commit", "revision_not_found", ["--push-revision", "dev"], ["me/x", "branch dev not found"]),
         ("create_commit", "server_echoes_token", [], ["me/x", "push failed", "***"]),
+        ("create_repo", "refused", [], ["me/x", "cannot reach the Hub (Connection refused)", "nothing was pushed"]),
+        ("create_commit", "timeout", [], ["me/x", "cannot reach the Hub (timed out)"]),
     ],
     ids=[
         "401-create-repo",
@@ -196,6 +198,8 @@ def test_push_with_out_uploads_exactly_the_files_out_writes(tmp_path, hub_api):
         "gated",
         "branch-not-found",
         "token-redacted",
+        "connection-refused",
+        "timeout",
     ],
 )
 def test_push_errors_are_one_line_and_write_nothing(tmp_path, hub_api, method, error, options, mentions):
@@ -208,6 +212,7 @@ def test_push_errors_are_one_line_and_write_nothing(tmp_path, hub_api, method, e
 
     assert_one_line_error(result, *mentions)
     assert_no_token(*result[1:])
+    assert "urllib3" not in result[2] and "0x7f" not in result[2]
     assert method in [name for name, _ in hub_api.calls]
     if error == "forbidden" and options:
         assert "--create-pr" not in result[2]
