@@ -65,6 +65,18 @@ def no_loop(monkeypatch, model):
     monkeypatch.setattr(model_module(model), "_moe_rewrite_loop", loop)
 
 
+def grouped_then_looped(monkeypatch, model, adapted, ids, kernel=None):
+    """One step through the grouped GEMMs (the loop fails if it runs; `kernel` forces one), then the same step
+    through the loop, which runs PEFT's own modules expert by expert."""
+    with monkeypatch.context() as patch:
+        no_loop(patch, model)
+        if kernel is not None:
+            patch.setattr(model_module(model), "_moe_rewrite_kernel", lambda device, dtype: kernel)
+        grouped = step(adapted, ids)
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
+    return grouped, step(adapted, ids)
+
+
 @pytest.mark.parametrize("layout", ["fused", "per-expert"])
 @pytest.mark.parametrize("form", ["v3", "v2"])
 def test_lora_on_routed_experts_trains_grouped_like_the_loop(tmp_path_factory, monkeypatch, form, layout):
@@ -75,11 +87,7 @@ def test_lora_on_routed_experts_trains_grouped_like_the_loop(tmp_path_factory, m
     adapted = lora(model)
     assert routed_adapted(adapted) == 3 * experts  # every routed expert's three projections
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    with monkeypatch.context() as patch:
-        no_loop(patch, model)
-        grouped = step(adapted, ids)
-    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")  # PEFT's own modules, expert by expert
-    assert_same_step(grouped, step(adapted, ids))
+    assert_same_step(*grouped_then_looped(monkeypatch, model, adapted, ids))
     frozen = [n for n, p in adapted.named_parameters() if "experts" in n and "lora" not in n]
     assert frozen and all(not dict(adapted.named_parameters())[n].requires_grad for n in frozen)
 
@@ -93,12 +101,7 @@ def test_lora_on_one_projection_with_the_torch_kernel(tmp_path_factory, monkeypa
     config = peft.LoraConfig(r=rank, target_modules=["down_proj"], init_lora_weights=False)
     adapted = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    with monkeypatch.context() as patch:
-        no_loop(patch, model)
-        patch.setattr(model_module(model), "_moe_rewrite_kernel", lambda device, dtype: "torch")
-        grouped = step(adapted, ids)
-    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
-    assert_same_step(grouped, step(adapted, ids), rel=2e-2)  # bf16
+    assert_same_step(*grouped_then_looped(monkeypatch, model, adapted, ids, kernel="torch"), rel=2e-2)  # bf16
 
 
 def test_disabled_and_merged_adapters_run_grouped_as_the_base_layers(tmp_path_factory, monkeypatch):

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from conftest import build_model, model_module, patched_checkpoint, per_expert_checkpoint, runtime_env  # noqa: E402
-from test_lora import PROJECTIONS, REL, assert_same_step, no_loop, step  # noqa: E402
+from conftest import build_model, patched_checkpoint, per_expert_checkpoint, runtime_env  # noqa: E402
+from test_lora import PROJECTIONS, REL, assert_same_step, grouped_then_looped, no_loop  # noqa: E402
 from test_training import rel_err  # noqa: E402
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -60,11 +60,8 @@ def test_lora_on_the_fused_parameters_trains_grouped_like_peft_forward(tmp_path_
     adapted = wrap(model, targets)
     assert wrapped_parameters(adapted) == [["down_proj", "gate_up_proj"]] * len(moe_blocks(model))
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    with monkeypatch.context() as patch:
-        no_loop(patch, model)
-        grouped = step(adapted, ids)
-    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")  # PEFT's own forward: W + BA, expert by expert
-    assert_same_step(grouped, step(adapted, ids))
+    grouped, looped = grouped_then_looped(monkeypatch, model, adapted, ids)  # the loop: PEFT's W + BA per expert
+    assert_same_step(grouped, looped)
     assert any(".experts.base_layer.lora_A" in name for name in grouped[1])  # gate_up_proj's adapter trains
 
 
@@ -80,12 +77,7 @@ def test_lora_on_the_fused_parameters_with_the_torch_kernel(tmp_path_factory, mo
         if type(module).__name__ == "ParamWrapper":
             torch.nn.init.normal_(module.lora_B["default"].weight, std=0.02)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    with monkeypatch.context() as patch:
-        no_loop(patch, model)
-        patch.setattr(model_module(model), "_moe_rewrite_kernel", lambda device, dtype: "torch")
-        grouped = step(adapted, ids)
-    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
-    assert_same_step(grouped, step(adapted, ids), rel=2e-2)  # bf16
+    assert_same_step(*grouped_then_looped(monkeypatch, model, adapted, ids, kernel="torch"), rel=2e-2)  # bf16
 
 
 @pytest.mark.parametrize("targets", TARGETS)
