@@ -6,7 +6,7 @@ are still handled, and the run exits 2).
 
 Output, as black's: a line per file rewritten (or that would be) on stderr, then one summary line ("2 files rewritten,
 1 file left unchanged, 1 file failed"; a single SOURCE that fails gets its error line alone); `-q` prints errors only,
-`-v` also names the files left unchanged. Diffs go to stdout.
+`-v` also names the files left unchanged and the generated code's sections. Diffs go to stdout.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import click
 from moe_rewrite import __version__, publish, sources
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
+from moe_rewrite.templates import ordered
 
 NOT_MOE = "not a DeepSeek-family MoE file"
 
@@ -212,7 +213,7 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
-@click.option("-v", "--verbose", is_flag=True, help="Also name the files left unchanged or skipped.")
+@click.option("-v", "--verbose", is_flag=True, help="Also name the files left unchanged and the generated sections.")
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(
     specs,
@@ -356,6 +357,7 @@ def _rewrite_file(
         click.echo(unified_diff(Path(src.name), src.read(), result.text), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
+    report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/templates.py SECTIONS)")
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()
