@@ -7,6 +7,7 @@ run the code the tool wrote into our V3-form stand-in fixture (rewritten here wi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -151,8 +153,74 @@ def flatten_experts(moe):
         offset += p.numel()
 
 
+def liger_fused_moe():
+    """Liger's fused MoE autograd Function (liger-kernel, Triton), or None when it is not installed. Its autotune runs
+    minutes per shape on first use: LIGER_FUSED_MOE_AUTOTUNE=0 (set before import) pins its default config."""
+    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return None
+    return LigerFusedMoEFunction
+
+
+def liger_forward(function, peer, x, ids, w):
+    """Liger on the transformers peer's own parameters (their layout: gate_up (E, 2I, H) as [gate; up], down
+    (E, H, I))."""
+    return function.apply(x, peer.gate_up_proj, peer.down_proj, ids.to(torch.int32), w.to(x.dtype))
+
+
+def sonic_moe():
+    """SonicMoE (Tri Dao's lab; CuTe-DSL kernels for Hopper), or None when it is not installed (../shared/PEERS.md
+    says how to install it on the H200). Its first call per shape JIT-compiles (~20 s at seed, ~60 s at moonlight)."""
+    try:
+        import sonicmoe
+    except ImportError:
+        return None
+    return sonicmoe
+
+
+class SonicPeer(torch.nn.Module):
+    """The peer's experts in SonicMoE's layout: w1 (E, 2I, H) with gate and up rows interleaved (gate at even rows),
+    w2 (E, H, I); the same weights as the transformers peer."""
+
+    def __init__(self, peer):
+        super().__init__()
+        gate_up = peer.gate_up_proj.detach()
+        experts, double, hidden = gate_up.shape
+        interleaved = torch.stack([gate_up[:, : double // 2], gate_up[:, double // 2 :]], dim=2)
+        self.w1 = torch.nn.Parameter(interleaved.reshape(experts, double, hidden).contiguous())
+        self.w2 = torch.nn.Parameter(peer.down_proj.detach().clone())
+
+    def forward(self, sonicmoe, x, ids, w):
+        tokens, k = ids.shape
+        token_idx = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        out, _ = sonicmoe.moe_general_routing_inputs(
+            x,
+            w.reshape(-1).float(),
+            token_idx,
+            ids.reshape(-1).to(torch.int32),
+            self.w1.permute(1, 2, 0),
+            None,
+            self.w2.permute(1, 2, 0),
+            None,
+            self.w1.shape[0],
+            torch.cuda.current_stream().cuda_stream,
+            sonicmoe.enums.ActivationType.SWIGLU,
+        )
+        return out
+
+    def gate_up_grad(self):
+        """w1's gradient in the [gate; up] layout of the other rows."""
+        experts, double, hidden = self.w1.shape
+        grad = self.w1.grad.view(experts, double // 2, 2, hidden)
+        return torch.cat([grad[:, :, 0], grad[:, :, 1]], dim=1)
+
+
 def grads_of(impl, moe, peer, x):
-    if impl == "transformers-grouped_mm":
+    if impl == "sonicmoe":
+        return [x.grad, peer.gate_up_grad(), peer.w2.grad]
+    if impl in ("transformers-grouped_mm", "liger-fused_moe"):
         gu, d = peer.gate_up_proj.grad, peer.down_proj.grad
     elif impl == "moe-rewrite[fused]":
         gu, d = moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad
@@ -271,6 +339,7 @@ def main():
     print("empty-expert wgrad exactly zero and correct:", empty_ok, flush=True)
     rate = matmul_tflops()
     print(f"bf16 matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
+    liger, sonic = liger_fused_moe(), sonic_moe()
 
     rows, notes = [], []
     for name in args.configs.split(","):
@@ -311,6 +380,10 @@ def main():
             ("moe-rewrite[torch,stack,flat-params]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {"flat": True})
         )
         impls.append(("transformers-grouped_mm", None, {}))
+        if liger is not None:
+            impls.append(("liger-fused_moe", None, {}))
+        if sonic is not None:
+            impls.append(("sonicmoe", None, {}))
         impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {"fused": True}))
 
         ref = None
@@ -331,22 +404,30 @@ def main():
                 peer, what = build_peer(cfg, moe)
                 notes.append(f"{name}: transformers-grouped_mm = {what}")
                 fn = lambda x, i, w, peer=peer: peer(x, i, w.to(x.dtype))  # noqa: E731
+            if impl == "liger-fused_moe":  # the same parameters as the transformers row
+                fn = functools.partial(liger_forward, liger, peer)
+            if impl == "sonicmoe":  # the same weights, in its layout; the transformers peer stays for the fused row
+                sonic_peer = SonicPeer(peer)
+                fn = functools.partial(sonic_peer.forward, sonic)
+            run_peer = sonic_peer if impl == "sonicmoe" else peer
             set_backend(modeling, env.get("MOE_REWRITE_BACKEND"))
             modeling.MOE_REWRITE_OPTIONS["stacking"] = env.get("stacking", "stack")
             if env.get("flat"):
                 flatten_experts(moe)
             warm, r = (1, max(2, reps // 5)) if impl == "naive-loop" else (3, reps)
             t0 = time.time()
-            ms, host_ms, peak, y, x = run_impl(fn, data, moe, peer, warm, r)
+            ms, host_ms, peak, y, x = run_impl(fn, data, moe, run_peer, warm, r)
             if impl == "moe-rewrite":
                 notes.append(f"{name}: moe-rewrite default kernel = {kernel_of(modeling, x)}")
-            grads = grads_of(impl, moe, peer, x)
+            grads = grads_of(impl, moe, run_peer, x)
             if ref is None:
                 ref = [y] + grads
                 err = 0.0
             else:
                 err = max(rel(a, b) for a, b in zip([y] + grads, ref))
-            clear_grads(moe, peer, x)
+            clear_grads(moe, run_peer, x)
+            if impl == "sonicmoe":
+                del sonic_peer, run_peer
             row = dict(
                 config=name,
                 impl=impl,
@@ -376,7 +457,9 @@ def main():
         torch=torch.__version__,
         matmul_tflops=round(rate, 1),
         empty_expert_wgrad_ok=empty_ok,
-        notes=notes,
+        notes=notes
+        + ([f"liger-fused_moe: liger-kernel {version('liger-kernel')}, LIGER_FUSED_MOE_AUTOTUNE=0"] if liger else [])
+        + ([f"sonicmoe: sonic-moe {version('sonic-moe')}"] if sonic else []),
         rows=rows,
     )
     (out_dir / f"{args.label}.json").write_text(json.dumps(result, indent=1) + "\n")
