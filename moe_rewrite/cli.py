@@ -107,12 +107,11 @@ def _publish(
     options: RewriteOptions,
     out: Path | None,
     push: publish.Push | None,
-    force: bool = False,
-    report: Reporter | None = None,
+    force: bool,
+    report: Reporter,
 ) -> None:
     """--out and/or --push-to-hub for the one SOURCE: everything is planned (and checked) first, then pushed, then
     written, so that a failed push leaves nothing written."""
-    report = report or Reporter()
     checkpoint = publish.plan_checkpoint(src, result.text)
     if out is not None:
         publish.check_out_files(out, checkpoint, force)

@@ -220,10 +220,11 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
     worker = threading.Thread(target=fetch, daemon=True)  # daemon: a Hub that never answers does not block exit
     worker.start()
     deadline = None if weights else _hub_deadline()
-    worker.join(HUB_PATIENCE if deadline is None else min(HUB_PATIENCE, deadline / 2))
+    patience = HUB_PATIENCE if deadline is None else min(HUB_PATIENCE, deadline / 2)
+    worker.join(patience)
     if worker.is_alive():
         print(f"moe-rewrite: contacting the Hub for {at} ...", file=sys.stderr, flush=True)
-        worker.join(None if deadline is None else max(0.0, deadline - min(HUB_PATIENCE, deadline / 2)))
+        worker.join(None if deadline is None else deadline - patience)
     if worker.is_alive():
         try:
             path = _snapshot(repo_id, revision, token, weights, at, offline=True)
