@@ -222,7 +222,7 @@ def grads_of(impl, moe, peer, x):
         return [x.grad, peer.gate_up_grad(), peer.w2.grad]
     if impl in ("transformers-grouped_mm", "liger-fused_moe"):
         gu, d = peer.gate_up_proj.grad, peer.down_proj.grad
-    elif impl == "moe-rewrite[fused]":
+    elif impl.startswith("moe-rewrite[fused"):
         gu, d = moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad
     else:
         gu = torch.stack([torch.cat([e.gate_proj.weight.grad, e.up_proj.weight.grad]) for e in moe.experts])
@@ -322,6 +322,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also write a kernel-time profile per config")
     parser.add_argument("--code", default=str(ROOT), help="moe-rewrite checkout to measure (another commit's tree)")
     parser.add_argument("--label", default="h200", help="name of the JSON written into --out")
+    parser.add_argument("--only", help="comma-separated rows to run besides naive-loop (the reference), e.g. sonicmoe")
     args = parser.parse_args()
     global CODE
     CODE = Path(args.code).resolve()
@@ -384,7 +385,22 @@ def main():
             impls.append(("liger-fused_moe", None, {}))
         if sonic is not None:
             impls.append(("sonicmoe", None, {}))
-        impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), {"fused": True}))
+        # our own kernels on the fused parameters (auto would pick SonicMoE where it is installed: the next row)
+        fused = {"fused": True, "MOE_REWRITE_BACKEND": "torch"}
+        impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), fused))
+        if sonic is not None:  # the generated code's sonicmoe backend on the same fused parameters
+            impls.append(
+                (
+                    "moe-rewrite[fused,sonicmoe]",
+                    lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w),
+                    {"fused": True, "MOE_REWRITE_BACKEND": "sonicmoe"},
+                )
+            )
+        if args.only:
+            wanted = {"naive-loop", *args.only.split(",")}
+            if wanted & {"liger-fused_moe", "sonicmoe"}:
+                wanted.add("transformers-grouped_mm")  # their weights come from the transformers peer
+            impls = [impl for impl in impls if impl[0] in wanted]
 
         ref = None
         peer = None
@@ -472,11 +488,12 @@ def main():
     )
     for r in rows:
         loop = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "naive-loop")
-        hf = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "transformers-grouped_mm")
+        hf = [x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "transformers-grouped_mm"]
         print(
             f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['host_ms']:8.2f} {r['tflops']:8.1f} "
             f"{r['frac_matmul']:6.2f} "
-            f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x {hf / r['ms']:5.2f}x"
+            f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x "
+            + (f"{hf[0] / r['ms']:5.2f}x" if hf else "    -")
         )
 
 

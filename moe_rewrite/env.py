@@ -15,7 +15,7 @@ from moe_rewrite.templates import template_dir
 # The oldest and newest transformers releases the test suite runs the rewritten files on (README, "transformers
 # releases"); versions in between are covered too.
 TESTED_TRANSFORMERS = ((4, 46), (5, 24))
-PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "libcst", "grouped_gemm")
+PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "libcst", "grouped_gemm", "sonic-moe")
 
 
 def _version(package: str) -> str | None:
@@ -56,6 +56,8 @@ def _why(kernel: str, device, torch) -> str:
         return "torch._grouped_mm (bf16 on sm90 and later)"
     if kernel == "grouped_gemm":
         return "the grouped_gemm package's CUTLASS kernels"
+    if kernel == "sonicmoe":
+        return "SonicMoE's fused expert-MLP kernels (sonic-moe installed, sm90), torch._grouped_mm where it cannot"
     if device.type != "cuda":
         return "the portable pass over experts' row slices (activations on the CPU)"
     major, minor = torch.cuda.get_device_capability(device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from moe_rewrite.errors import RewriteError
 
-BACKENDS = ("auto", "torch", "grouped_gemm", "loop")
+BACKENDS = ("auto", "torch", "sonicmoe", "grouped_gemm", "loop")
 STACKINGS = ("stack", "sequential")
 
 

@@ -34,8 +34,9 @@ def _moe_rewrite_compute_dtype(x):
 
 
 def _moe_rewrite_kernel(device, dtype):
-    """The grouped-GEMM kernel for activations on `device` computed in `dtype`: "torch", "grouped_gemm", "sorted" or
-    "loop". Decided on first use per (device, dtype) and kept for the process."""
+    """The grouped-GEMM kernel for activations on `device` computed in `dtype`: "torch", "sonicmoe" (the whole expert
+    MLP where SonicMoE runs it, else "torch"), "grouped_gemm", "sorted" or "loop". Decided on first use per
+    (device, dtype) and kept for the process."""
     key = (device, dtype)
     if key not in _moe_rewrite_kernels:
         _moe_rewrite_kernels[key] = _moe_rewrite_choose_kernel(device, dtype)
@@ -54,18 +55,29 @@ def _moe_rewrite_choose_kernel(device, dtype):
                 "moe-rewrite: backend 'grouped_gemm' needs the grouped_gemm package, CUDA and bfloat16 activations"
             )
         return "grouped_gemm"
+    # SonicMoE's kernels are written for Hopper (sm90) and bf16.
+    sonic = cuda_bf16 and torch.cuda.get_device_capability(device) == (9, 0) and _moe_rewrite_sonicmoe() is not None
+    if backend == "sonicmoe":
+        if not sonic:
+            raise RuntimeError(
+                "moe-rewrite: backend 'sonicmoe' needs the sonic-moe package, an sm90 GPU (H100, H200) and bfloat16 "
+                "activations"
+            )
+        return "sonicmoe"
     # torch's grouped matmul (torch._grouped_mm, torch's only grouped GEMM, private but the one transformers uses too)
     # has fast kernels for bf16 on sm90+ only; anywhere else the sorted per-expert pass is faster.
     torch_fast = cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
     if backend == "torch":
         return "torch" if torch_fast else "sorted"
     if backend == "auto":
+        if sonic:
+            return "sonicmoe"
         if torch_fast:
             return "torch"
         if cuda_bf16 and _moe_rewrite_grouped_gemm() is not None:
             return "grouped_gemm"
         return "sorted"
-    raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, grouped_gemm or loop")
+    raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, sonicmoe, grouped_gemm or loop")
 
 
 def _moe_rewrite_grouped_gemm():
@@ -75,6 +87,60 @@ def _moe_rewrite_grouped_gemm():
     except ImportError:
         return None
     return backend
+
+
+def _moe_rewrite_sonicmoe():
+    """The sonic-moe package (SonicMoE: the whole expert MLP in fused CuTe-DSL kernels for Hopper), or None when it is
+    not installed."""
+    try:
+        import sonicmoe
+    except ImportError:
+        return None
+    return sonicmoe
+
+
+def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
+    """The routed experts' weighted outputs through SonicMoE (kernel "sonicmoe"), or None when it cannot run them as
+    the grouped GEMMs would: adapters, an activation other than SiLU, experts that are not fused parameters, sizes
+    whose rows are not 16-byte aligned, or under torch.compile.
+
+    SonicMoE gathers the rows inside its up-projection GEMM, applies SwiGLU in that GEMM's epilogue and scatters the
+    weighted rows out of the down projection, with its own backward (gradients for x, both weights and the routing
+    weights). It reads the fused parameters as they are: (E, 2I, H) as (2I, H, E), its layout, with concat_layout for
+    the [gate; up] rows; its first call per shape compiles its kernels.
+    """
+    gate_up_w, down_w, act_fn, adapters = weights
+    experts, double, hidden = gate_up_w.shape
+    silu = type(act_fn) is torch.nn.SiLU or (
+        type(act_fn).__name__ == "SiLUActivation" and type(act_fn).__module__ == "transformers.activations"
+    )
+    if (
+        any(adapters.values())
+        or not silu
+        or type(gate_up_w) is not _MoeRewriteExpertWeight
+        or type(down_w) is not _MoeRewriteExpertWeight
+        or hidden % 8
+        or double % 16
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    sonicmoe = _moe_rewrite_sonicmoe()
+    tokens, top_k = topk_ids.shape
+    out, _ = sonicmoe.moe_general_routing_inputs(
+        x.to(dtype).contiguous(),
+        topk_weight.reshape(-1).float(),
+        torch.arange(tokens, device=x.device, dtype=torch.int32).repeat_interleave(top_k),  # sorted token ids
+        topk_ids.reshape(-1).to(torch.int32),
+        gate_up_w.stacked(dtype).permute(1, 2, 0),
+        None,
+        down_w.stacked(dtype).permute(1, 2, 0),
+        None,
+        experts,
+        torch.cuda.current_stream(x.device).cuda_stream,
+        sonicmoe.enums.ActivationType.SWIGLU,
+        concat_layout=True,
+    )
+    return out.to(torch.promote_types(dtype, topk_weight.dtype))  # the dtype the grouped GEMMs return
 
 
 def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
@@ -180,13 +246,69 @@ class _MoeRewriteGather(torch.autograd.Function):
         return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
 
 
-def _moe_rewrite_combine(y, topk_ids, topk_weight):
+def _moe_rewrite_combine(y, topk_weight):
     """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
 
     The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
     """
     dtype = torch.promote_types(y.dtype, topk_weight.dtype)
-    return (y.view(*topk_ids.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+    return (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+class _MoeRewriteExpertOutput(torch.autograd.Function):
+    """The experts' weighted outputs from their gate/up projections: act_fn(gate) * up through the down projection,
+    back to token order, weighted by the routing weights and summed per token, keeping only gate_up for backward.
+
+    Backward recomputes act_fn(gate) * up, runs the down projection's input-gradient GEMM on the unweighted row
+    gradients, and takes each routing weight's gradient as that GEMM's output dotted with the recomputed row
+    (<dy, h W^T> = <dy W, h>), so neither the activation, the product nor the expert outputs are kept: about
+    TK * (2 * intermediate + hidden) elements less per layer than autograd over the composed ops. Same forward.
+    `gate_up` holds each row's gate then up projection; `order` sorts the (token, slot) rows by expert.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up, topk_weight, order, offsets, kernel, keep_stacked, act_fn, source, *tensors):
+        stacked = source.stacked(gate_up.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = _moe_rewrite_gmm(kernel, act_fn(gate) * up, stacked, offsets, "fwd")
+        out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
+        ctx.kernel, ctx.source, ctx.act_fn = kernel, source, act_fn
+        keep = keep_stacked or any(stacked is t for t in tensors)
+        ctx.save_for_backward(gate_up, topk_weight, order, offsets, stacked if keep else None)
+        return _moe_rewrite_combine(out, topk_weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, topk_weight, order, offsets, stacked = ctx.saved_tensors
+        kernel, dtype = ctx.kernel, gate_up.dtype
+        # each row's token gradient, and its routing weight, in the rows' (expert) order
+        grad_rows = grad.to(dtype).index_select(0, order // topk_weight.shape[1])
+        row_weight = topk_weight.reshape(-1)[order].to(dtype).unsqueeze(-1)
+        with torch.enable_grad():
+            gate, up = gate_up.detach().chunk(2, dim=-1)
+            gate = gate.requires_grad_(ctx.needs_input_grad[0])
+            act = ctx.act_fn(gate)
+        hidden = act.detach() * up
+        tensor_grads = ctx.needs_input_grad[8:]  # after gate_up, ..., act_fn, source
+        grads = (None,) * len(tensor_grads)
+        if any(tensor_grads):
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, hidden * row_weight, offsets, "wgrad"))
+        if stacked is None:
+            stacked = ctx.source.stacked(dtype)
+        grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
+        stacked = grad_rows = None  # freed before the gradients below are allocated
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            per_row = (grad_hidden * hidden).sum(dim=-1, dtype=torch.float32)
+            grad_weight = torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape)
+            grad_weight = grad_weight.to(topk_weight.dtype)
+        hidden = None
+        grad_gate_up = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad_hidden * row_weight
+            (grad_gate,) = torch.autograd.grad(act, gate, grad_hidden * up)
+            grad_gate_up = torch.cat([grad_gate, grad_hidden * act.detach()], dim=-1)
+        return (grad_gate_up, grad_weight, None, None, None, None, None, None, *grads)
 
 
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
@@ -194,6 +316,11 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
     adapters: {name: ((A, B, scaling, dropout), ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py) or
     on the gate_proj, up_proj and down_proj of every expert (expert_linears.py)."""
+    if kernel == "sonicmoe":
+        out = _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype)
+        if out is not None:
+            return out
+        kernel = "torch"
     gate_up_w, down_w, act_fn, adapters = weights
     flat_ids = topk_ids.reshape(-1)
     # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
@@ -208,15 +335,22 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
     gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
     gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
+    if adapters.get("gate_proj") or adapters.get("up_proj"):
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj", ()))
+        up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj", ()))
+        gate_up = torch.cat([gate, up], dim=-1)
+    if not adapters.get("down_proj"):
+        return _MoeRewriteExpertOutput.apply(
+            gate_up, topk_weight, order, offsets, kernel, keep, act_fn, down_w, *down_w.tensors
+        )
     gate, up = gate_up.chunk(2, dim=-1)
-    gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj", ()))
-    up = _moe_rewrite_add_lora(up, rows, offsets, kernel, keep, adapters.get("up_proj", ()))
     hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, order, out)
-    return _moe_rewrite_combine(out, topk_ids, topk_weight)
+    return _moe_rewrite_combine(out, topk_weight)
 
 
 def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, loras):
@@ -240,7 +374,7 @@ def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
     y = torch.empty_like(x)
     for i, expert in enumerate(experts):
         y[flat_ids == i] = expert(x[flat_ids == i])
-    return _moe_rewrite_combine(y, topk_ids, topk_weight)
+    return _moe_rewrite_combine(y, topk_weight)
 
 
 class MoE:

@@ -118,6 +118,50 @@ def test_grouped_linear_passes_gradcheck(kernel):
         assert torch.count_nonzero(got[1][1]) == 0
 
 
+@pytest.mark.parametrize("kernel", ["sorted", "torch"])
+@pytest.mark.parametrize("keep_stacked", [True, False])
+def test_expert_output_node_passes_gradcheck(kernel, keep_stacked):
+    """The node after the gate/up GEMM (act * up, down GEMM, un-sort, weighted sum; it recomputes in backward and
+    takes the routing weights' gradient from the down input gradient): every input's gradient, an empty expert's
+    weight gradient exactly zero."""
+    if kernel == "torch" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm needs torch >= 2.8")
+    dtype = torch.float64 if kernel == "sorted" else torch.float32  # torch._grouped_mm: bf16 / fp32 only
+    tokens, k, inter, hidden = 5, 2, 4, 8
+    ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
+    order = ids.reshape(-1).argsort(stable=True)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    gate_up = torch.randn(tokens * k, 2 * inter, dtype=dtype, requires_grad=True)
+    weight = torch.rand(tokens, k, dtype=dtype, requires_grad=True)
+    down = torch.randn(4, hidden, inter, dtype=dtype, requires_grad=True)
+
+    def node(gate_up, weight, down):
+        source = grouped_gemm._MoeRewriteExpertWeight(down)
+        return grouped_gemm._MoeRewriteExpertOutput.apply(
+            gate_up, weight, order, offsets, kernel, keep_stacked, ACT, source, down
+        )
+
+    def composed(gate_up, weight, down):  # per row: its expert's down(act(gate) * up), then the weighted sum
+        gate, up = gate_up.chunk(2, dim=-1)
+        expert_of_row = ids.reshape(-1)[order]
+        rows = torch.stack([down[e] @ h for e, h in zip(expert_of_row.tolist(), ACT(gate) * up)])
+        unsorted = torch.empty_like(rows).index_copy(0, order, rows)
+        return (unsorted.view(tokens, k, hidden) * weight.unsqueeze(-1)).sum(dim=1)
+
+    if kernel == "sorted":
+        assert torch.autograd.gradcheck(node, (gate_up, weight, down))
+    y = node(gate_up, weight, down)
+    inputs64 = [t.detach().double().requires_grad_(True) for t in (gate_up, weight, down)]
+    ref = composed(*inputs64)
+    probe = torch.randn_like(ref)
+    got = torch.autograd.grad((y * probe.to(dtype)).sum(), [gate_up, weight, down])
+    want = torch.autograd.grad((ref * probe).sum(), inputs64)
+    assert torch.allclose(y.double(), ref, atol=1e-5)
+    for g, r in zip(got, want):
+        assert g.dtype == dtype and torch.allclose(g.double(), r, atol=1e-5)
+    assert torch.count_nonzero(got[2][1]) == 0
+
+
 def test_per_expert_weights_in_one_buffer_are_viewed_not_copied():
     moe = tiny_moe("per_expert")
     params = expert_params(moe)
@@ -149,6 +193,38 @@ def test_kernel_choice_and_settings_are_read_once_per_process(monkeypatch):
     assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "sorted"  # "torch" falls back off sm90
     grouped_gemm._moe_rewrite_kernels.clear()
     grouped_gemm._moe_rewrite_settings.clear()
+
+
+def test_sonicmoe_backend_is_refused_where_it_cannot_run_and_gives_way_to_the_grouped_gemms(monkeypatch):
+    """Asked for on a machine without an sm90 GPU and sonic-moe: one clear error. Where SonicMoE would run, the core
+    still runs its own GEMMs for what SonicMoE cannot reproduce (tests/test_cuda_kernels.py runs SonicMoE itself)."""
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "sonicmoe")
+    with pytest.raises(RuntimeError, match="'sonicmoe' needs the sonic-moe package, an sm90 GPU"):
+        grouped_gemm._moe_rewrite_kernel(torch.device("cpu"), torch.bfloat16)
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    moe = tiny_moe("fused", hidden=16, inter=8)
+    moe.experts.act_fn = torch.nn.SiLU()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    ids, w = routing(3, 6, 2)
+    gate_up, down, act, adapters = moe.moe_rewrite_expert_weights()
+    lora = grouped_gemm._MoeRewriteExpertWeight(torch.zeros(6, 2, 16))
+    gelu = torch.nn.GELU()
+    for weights in [
+        (gate_up, down, act, {"gate_up_proj": ((lora, lora, 1.0, torch.nn.Identity()),)}),  # an adapter
+        (gate_up, down, gelu, adapters),  # another activation
+        (expert_linears._MoeRewriteExpertLinears([torch.zeros(8, 16)] * 12, 2), down, act, adapters),  # per-expert
+        (grouped_gemm._MoeRewriteExpertWeight(torch.zeros(6, 14, 16)), down, act, adapters),  # rows not aligned
+    ]:
+        assert grouped_gemm._moe_rewrite_sonicmoe_experts(x, ids, w, weights, torch.bfloat16) is None
+    # what SonicMoE cannot run goes through torch._grouped_mm (the kernel where "sonicmoe" is chosen)
+    moe.float().experts.act_fn = gelu
+    x, w = x.float(), w.float()
+    weights = moe.moe_rewrite_expert_weights()
+    y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sonicmoe", torch.float32)
+    assert torch.allclose(y, reference(moe.experts, x, ids, w), atol=1e-5)
 
 
 def test_fused_checkpoint_keys_round_trip():

@@ -1,0 +1,79 @@
+"""The generated core's GPU kernels against the per-expert loop in float32 on the same bf16 weights: torch._grouped_mm
+(backend torch) and SonicMoE (backend sonicmoe, where sonic-moe is installed on an sm90 GPU). Outputs and the
+gradients of x, the routing weights and both expert parameters within 1e-2, empty experts' weight gradients exact
+zeros, under random, skewed and single-token routing. CI's CPU machine skips this file (no GPU); its runs on the H200
+are recorded in bench/results/ (h200-cuda-tests-*.txt).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from templates import grouped_gemm  # noqa: E402
+from test_runtime import tiny_moe  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+EXPERTS, HIDDEN, INTER, TOP_K = 8, 256, 128, 2
+
+
+def routing(kind, tokens, generator):
+    """(ids, weights): experts 6 and 7 never chosen; "skewed" sends nine tokens in ten to expert 0 first."""
+    ids = torch.stack([torch.randperm(EXPERTS - 2, generator=generator)[:TOP_K] for _ in range(tokens)])
+    if kind == "skewed":
+        first = torch.rand(tokens, generator=generator) < 0.9
+        ids[first] = torch.stack([torch.zeros_like(ids[first, 0]), 1 + ids[first, 0] % (EXPERTS - 3)], dim=1)
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=generator), dim=-1)
+    return ids.cuda(), weights.cuda()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def step(moe, x, ids, w, probe):
+    """moe_train forward and backward: the output and the gradients of x, w and the fused parameters."""
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    for p in moe.parameters():
+        p.grad = None
+    y = moe.moe_train(x, ids, w)
+    (y.float() * probe).sum().backward()
+    return [y, x.grad, w.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad]
+
+
+@pytest.mark.parametrize("kind,tokens", [("random", 300), ("skewed", 300), ("random", 1)])
+@pytest.mark.parametrize("backend", ["torch", "sonicmoe"])
+def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, kind, tokens):
+    if backend == "sonicmoe" and grouped_gemm._moe_rewrite_sonicmoe() is None:
+        pytest.skip("sonic-moe is not installed")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm and SonicMoE are fast on sm90 and later only")
+    generator = torch.Generator().manual_seed(tokens)
+    torch.manual_seed(tokens)
+    moe = tiny_moe("fused", experts=EXPERTS, hidden=HIDDEN, inter=INTER).to("cuda", torch.bfloat16)
+    moe.experts.act_fn = torch.nn.SiLU()  # the module the DeepSeek files hold (ACT2FN["silu"])
+    x = torch.randn(tokens, HIDDEN, generator=generator).cuda().bfloat16()
+    ids, w = routing(kind, tokens, generator)
+    probe = torch.randn(tokens, HIDDEN, generator=generator).cuda()
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", backend)
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    ran = []
+    sonic = grouped_gemm._moe_rewrite_sonicmoe_experts
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append(1) or sonic(*a))
+    got = step(moe, x, ids, w, probe)
+    assert bool(ran) == (backend == "sonicmoe")  # SonicMoE ran it, not the fallback
+    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    want = step(moe.float(), x.float(), ids, w, probe)
+    grouped_gemm._moe_rewrite_kernels.clear()
+    grouped_gemm._moe_rewrite_settings.clear()
+    for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
+        assert a.dtype == (torch.float32 if name in ("output", "routing weights") else torch.bfloat16), name
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    for grad in got[3:]:  # experts 6 and 7 got no rows
+        assert torch.count_nonzero(grad[EXPERTS - 2 :]) == 0
