@@ -11,8 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from templates import grouped_gemm  # noqa: E402
 from test_runtime import tiny_moe  # noqa: E402
+
+from templates import grouped_gemm  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -41,7 +42,8 @@ def step(moe, x, ids, w, probe):
         p.grad = None
     y = moe.moe_train(x, ids, w)
     (y.float() * probe).sum().backward()
-    return [y, x.grad, w.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad]
+    # copies: moe.float() converts the parameters' gradients in place
+    return [t.detach().clone() for t in (y, x.grad, w.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad)]
 
 
 @pytest.mark.parametrize("kind,tokens", [("random", 300), ("skewed", 300), ("random", 1)])

@@ -3,7 +3,8 @@
 # are installed from the wheels in .whl/ (.whl/tf4) into /tmp/site; NVLink multicast stays off (device notes).
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.whl .whl/tf4/*.whl
+# without .whl/tf4 the device's own transformers runs the rewritten stand-in (its compat rewrites cover 5.x)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/libcst-*.whl $(ls .whl/tf4/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_MODULES_CACHE=/tmp/e2e/modules
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
