@@ -247,7 +247,8 @@ def rel(a, b):
 
 
 def run_impl(fn, data, moe, peer, warmup, reps):
-    """Median ms of forward+backward over `reps` timed steps, rotating routings; and the step's extra peak memory."""
+    """Median ms of forward+backward over `reps` timed steps, rotating routings; the step's extra peak memory, and the
+    memory forward keeps for backward."""
     times, host = [], []
     for i in range(warmup + reps):
         x, ids, w, g = data[i % len(data)]
@@ -270,10 +271,11 @@ def run_impl(fn, data, moe, peer, warmup, reps):
     x, ids, w, g = data[0]
     x = x.detach().requires_grad_(True)
     y = fn(x, ids, w)
+    kept = (torch.cuda.memory_allocated() - base) / 2**30  # what forward leaves for backward, the output included
     y.backward(g)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2], peak, y.detach(), x
+    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2], peak, kept, y.detach(), x
 
 
 def matmul_tflops():
@@ -412,7 +414,7 @@ def main():
                 for p in moe.parameters():  # undo flatten_experts: profile the default layout
                     p.data = p.data.clone()
                 for impl_, fn_, peer_ in to_profile:  # the profiler's hooks must not slow down the timed rows
-                    profile(fn_, data, moe, peer_, out_dir / f"profile_{name}_{impl_}.txt")
+                    profile(fn_, data, moe, peer_, out_dir / f"profile_{name}_{safe_name(impl_)}.txt")
                 to_profile, peer = [], None
                 torch.cuda.empty_cache()
                 moe.moe_rewrite_fuse_experts()
@@ -432,7 +434,7 @@ def main():
                 flatten_experts(moe)
             warm, r = (1, max(2, reps // 5)) if impl == "naive-loop" else (3, reps)
             t0 = time.time()
-            ms, host_ms, peak, y, x = run_impl(fn, data, moe, run_peer, warm, r)
+            ms, host_ms, peak, kept, y, x = run_impl(fn, data, moe, run_peer, warm, r)
             if impl == "moe-rewrite":
                 notes.append(f"{name}: moe-rewrite default kernel = {kernel_of(modeling, x)}")
             grads = grads_of(impl, moe, run_peer, x)
@@ -452,6 +454,7 @@ def main():
                 tflops=round(flops / (ms / 1e3) / 1e12, 1),
                 frac_matmul=round(flops / (ms / 1e3) / 1e12 / rate, 3),
                 peak_gb=round(peak, 2),
+                kept_gb=round(kept, 3),
                 max_rel_err=float(f"{err:.2e}"),
             )
             rows.append(row)
@@ -461,7 +464,7 @@ def main():
         set_backend(modeling, None)
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
         for impl, fn, peer_ in to_profile:
-            profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{impl}.txt")
+            profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{safe_name(impl)}.txt")
         del moe, peer, ref, data
         torch.cuda.empty_cache()
 
@@ -484,7 +487,7 @@ def main():
         print(n)
     print(
         f"\n{'config':10} {'impl':40} {'ms':>9} {'host ms':>8} {'TFLOP/s':>8} {'of mm':>6} {'peak GB':>8} "
-        f"{'rel err':>9} {'vs loop':>8} {'vs hf':>6}"
+        f"{'kept GB':>8} {'rel err':>9} {'vs loop':>8} {'vs hf':>6}"
     )
     for r in rows:
         loop = next(x["ms"] for x in rows if x["config"] == r["config"] and x["impl"] == "naive-loop")
@@ -492,9 +495,14 @@ def main():
         print(
             f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['host_ms']:8.2f} {r['tflops']:8.1f} "
             f"{r['frac_matmul']:6.2f} "
-            f"{r['peak_gb']:8.2f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x "
+            f"{r['peak_gb']:8.2f} {r['kept_gb']:8.3f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x "
             + (f"{hf[0] / r['ms']:5.2f}x" if hf else "    -")
         )
+
+
+def safe_name(impl):
+    """A row name as a file name: moe-rewrite[fused,sonicmoe] -> moe-rewrite_fused_sonicmoe."""
+    return impl.replace("[", "_").replace("]", "").replace(",", "_").replace(" ", "_")
 
 
 def profile(fn, data, moe, peer, path):
