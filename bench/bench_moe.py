@@ -35,8 +35,11 @@ CODE = ROOT  # the moe-rewrite checkout whose generated code is measured (--code
 def rewrite_fixture(out: Path, *options: str) -> Path:
     """The V3 stand-in rewritten with --no-fuse-experts: its MoE layers start per-expert (the bracketed rows), and
     moe_rewrite_fuse_experts() fuses them for the fused row, as from_pretrained does with the defaults."""
-    cmd = [sys.executable, "-m", "moe_rewrite", str(CODE / "fixtures" / "deepseek_v3"), "--out", str(out), *options]
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": f"{CODE}:{os.environ.get('PYTHONPATH', '')}"})
+    fixture = str(CODE / "fixtures" / "deepseek_v3")
+    cmd = [sys.executable, "-m", "moe_rewrite", fixture, "--out", str(out.resolve()), *options]
+    # In CODE: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+    env = {**os.environ, "PYTHONPATH": f"{CODE}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(cmd, check=True, env=env, cwd=CODE)
     return out
 
 
