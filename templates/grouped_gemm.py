@@ -99,6 +99,13 @@ def _moe_rewrite_sonicmoe():
     return sonicmoe
 
 
+def _moe_rewrite_is_silu(act_fn):
+    """Whether the experts' activation is SiLU (ACT2FN["silu"]: torch's nn.SiLU, or transformers' SiLUActivation)."""
+    kind = type(act_fn)
+    transformers_silu = kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
+    return kind is torch.nn.SiLU or transformers_silu
+
+
 def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
     """The routed experts' weighted outputs through SonicMoE (kernel "sonicmoe"), or None when it cannot run them as
     the grouped GEMMs would: adapters, an activation other than SiLU, experts that are not fused parameters, sizes
@@ -111,12 +118,9 @@ def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
     """
     gate_up_w, down_w, act_fn, adapters = weights
     experts, double, hidden = gate_up_w.shape
-    silu = type(act_fn) is torch.nn.SiLU or (
-        type(act_fn).__name__ == "SiLUActivation" and type(act_fn).__module__ == "transformers.activations"
-    )
     if (
         any(adapters.values())
-        or not silu
+        or not _moe_rewrite_is_silu(act_fn)
         or type(gate_up_w) is not _MoeRewriteExpertWeight
         or type(down_w) is not _MoeRewriteExpertWeight
         or hidden % 8
@@ -280,21 +284,25 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate_up, topk_weight, order, offsets, stacked = ctx.saved_tensors
-        kernel, dtype = ctx.kernel, gate_up.dtype
-        # each row's token gradient, and its routing weight, in the rows' (expert) order
-        grad_rows = grad.to(dtype).index_select(0, order // topk_weight.shape[1])
-        row_weight = topk_weight.reshape(-1)[order].to(dtype).unsqueeze(-1)
-        with torch.enable_grad():
-            gate, up = gate_up.detach().chunk(2, dim=-1)
-            gate = gate.requires_grad_(ctx.needs_input_grad[0])
-            act = ctx.act_fn(gate)
-        hidden = act.detach() * up
+        kernel, act_fn = ctx.kernel, ctx.act_fn
+        # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
+        grad_rows = grad.to(gate_up.dtype).index_select(0, order // topk_weight.shape[1])
+        row_weight = topk_weight.reshape(-1)[order].unsqueeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu = _moe_rewrite_is_silu(act_fn)
+        with torch.enable_grad():  # the activation's own backward, unless it is SiLU (aten.silu_backward below)
+            gate_in = gate if silu else gate.detach().requires_grad_(ctx.needs_input_grad[0])
+            act_graph = act_fn(gate_in)
+        act = act_graph.detach()
+        hidden = act * up
         tensor_grads = ctx.needs_input_grad[8:]  # after gate_up, ..., act_fn, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, hidden * row_weight, offsets, "wgrad"))
+            weighted = torch.mul(hidden, row_weight, out=torch.empty_like(hidden))  # one rounding, from fp32
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, weighted, offsets, "wgrad"))
+            weighted = None
         if stacked is None:
-            stacked = ctx.source.stacked(dtype)
+            stacked = ctx.source.stacked(gate_up.dtype)
         grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
         stacked = grad_rows = None  # freed before the gradients below are allocated
         grad_weight = None
@@ -303,11 +311,17 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             grad_weight = torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape)
             grad_weight = grad_weight.to(topk_weight.dtype)
         hidden = None
-        grad_gate_up = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = grad_hidden * row_weight
-            (grad_gate,) = torch.autograd.grad(act, gate, grad_hidden * up)
-            grad_gate_up = torch.cat([grad_gate, grad_hidden * act.detach()], dim=-1)
+        if not ctx.needs_input_grad[0]:
+            return (None, grad_weight, None, None, None, None, None, None, *grads)
+        grad_hidden = torch.mul(grad_hidden, row_weight, out=grad_hidden)
+        # the gate and up gradients written into one buffer (no concatenation)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(grad_hidden, act, out=grad_up)
+        if silu:
+            torch.ops.aten.silu_backward.grad_input(grad_hidden * up, gate, grad_input=grad_gate)
+        else:
+            grad_gate.copy_(torch.autograd.grad(act_graph, gate_in, grad_hidden * up)[0])
         return (grad_gate_up, grad_weight, None, None, None, None, None, None, *grads)
 
 

@@ -120,7 +120,8 @@ def test_grouped_linear_passes_gradcheck(kernel):
 
 @pytest.mark.parametrize("kernel", ["sorted", "torch"])
 @pytest.mark.parametrize("keep_stacked", [True, False])
-def test_expert_output_node_passes_gradcheck(kernel, keep_stacked):
+@pytest.mark.parametrize("act", [torch.nn.SiLU(), torch.nn.GELU()], ids=["silu", "gelu"])  # aten's / autograd's
+def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     """The node after the gate/up GEMM (act * up, down GEMM, un-sort, weighted sum; it recomputes in backward and
     takes the routing weights' gradient from the down input gradient): every input's gradient, an empty expert's
     weight gradient exactly zero."""
@@ -138,13 +139,13 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked):
     def node(gate_up, weight, down):
         source = grouped_gemm._MoeRewriteExpertWeight(down)
         return grouped_gemm._MoeRewriteExpertOutput.apply(
-            gate_up, weight, order, offsets, kernel, keep_stacked, ACT, source, down
+            gate_up, weight, order, offsets, kernel, keep_stacked, act, source, down
         )
 
     def composed(gate_up, weight, down):  # per row: its expert's down(act(gate) * up), then the weighted sum
         gate, up = gate_up.chunk(2, dim=-1)
         expert_of_row = ids.reshape(-1)[order]
-        rows = torch.stack([down[e] @ h for e, h in zip(expert_of_row.tolist(), ACT(gate) * up)])
+        rows = torch.stack([down[e] @ h for e, h in zip(expert_of_row.tolist(), act(gate) * up)])
         unsorted = torch.empty_like(rows).index_copy(0, order, rows)
         return (unsorted.view(tokens, k, hidden) * weight.unsqueeze(-1)).sum(dim=1)
 
