@@ -47,10 +47,9 @@ def _moe_rewrite_choose_kernel(device, dtype):
                 "moe-rewrite: backend 'grouped_gemm' needs the grouped_gemm package, CUDA and bfloat16 activations"
             )
         return "grouped_gemm"
-    # SonicMoE's kernels are written for Hopper (sm90) and bf16.
-    sonic = cuda_bf16 and torch.cuda.get_device_capability(device) == (9, 0) and _moe_rewrite_sonicmoe() is not None
-    if backend == "sonicmoe":
-        if not sonic:
+    if backend == "sonicmoe":  # SonicMoE's kernels are written for Hopper (sm90) and bf16
+        hopper = cuda_bf16 and torch.cuda.get_device_capability(device) == (9, 0)
+        if not hopper or _moe_rewrite_sonicmoe() is None:
             raise RuntimeError(
                 "moe-rewrite: backend 'sonicmoe' needs the sonic-moe package, an sm90 GPU (H100, H200) and bfloat16 "
                 "activations"
@@ -61,9 +60,7 @@ def _moe_rewrite_choose_kernel(device, dtype):
     torch_fast = cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
     if backend == "torch":
         return "torch" if torch_fast else "sorted"
-    if backend == "auto":
-        if sonic:
-            return "sonicmoe"
+    if backend == "auto":  # never SonicMoE: its first call per token count autotunes for minutes (bench/NOTES.md)
         if torch_fast:
             return "torch"
         if cuda_bf16 and _moe_rewrite_grouped_gemm() is not None:
@@ -106,7 +103,7 @@ def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
     SonicMoE gathers the rows inside its up-projection GEMM, applies SwiGLU in that GEMM's epilogue and scatters the
     weighted rows out of the down projection, with its own backward (gradients for x, both weights and the routing
     weights). It reads the fused parameters as they are: (E, 2I, H) as (2I, H, E), its layout, with concat_layout for
-    the [gate; up] rows; its first call per shape compiles its kernels.
+    the [gate; up] rows. Its first call per token count autotunes and compiles its kernels (minutes on an H200).
     """
     gate_up_w, down_w, act_fn, adapters = weights
     experts, double, hidden = gate_up_w.shape
