@@ -354,6 +354,12 @@ def _rewrite_file(
     path = src.modeling_file
     if diff:
         click.echo(unified_diff(Path(src.name), src.read(), result.text), nl=False)
+        config = src.root / "config.json" if src.root is not None else None
+        if config is not None and config.is_file():  # and the auto_map edit --out would make, if any
+            planned = publish.plan_checkpoint(src, result.text).files.get("config.json")
+            if planned is not None and planned != config.read_bytes():
+                name = Path(src.name).parent / "config.json"
+                click.echo(unified_diff(name, sources.read_text(config), planned.decode("utf-8")), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
     report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/templates.py SECTIONS)")

@@ -298,6 +298,29 @@ def test_auto_map_pointing_elsewhere_is_made_local(tmp_path, hub_api, ensure_asc
     assert "tokenization_deepseek.py" in uploaded
 
 
+def test_diff_shows_the_auto_map_edit_out_would_make(tmp_path):
+    """--diff on a checkpoint: the modeling file's diff, then config.json's as --out would write it; nothing written."""
+    src = local_checkpoint(tmp_path, hub_json(config_from(ELSEWHERE)))
+    before = snapshot(tmp_path)
+
+    code, out, err = run_cli(src, "--diff")
+
+    assert code == 1, err  # something would change
+    modeling, config = out.split("--- a/", 2)[1:]
+    assert modeling.startswith(f"{(src / MODELING).as_posix().lstrip('/')}\n")
+    assert config.startswith(f"{(src / 'config.json').as_posix().lstrip('/')}\n")
+    removed = [line for line in config.splitlines() if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in config.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert len(removed) == len(added) == 3 and all(ELSEWHERE in line for line in removed)
+    assert [line[1:].replace(f"{ELSEWHERE}--", "") for line in removed] == [line[1:] for line in added]
+    assert snapshot(tmp_path) == before
+    # without a foreign auto_map entry there is no config.json hunk
+    plain = local_checkpoint(tmp_path / "plain", hub_json(config_from(None)))
+    code, out, err = run_cli(plain, "--diff")
+    assert code == 1, err
+    assert out.count("--- a/") == 1 and "config.json" not in out
+
+
 def test_config_without_foreign_auto_map_is_copied_as_it_is(tmp_path):
     """No auto_map entry changes: the bytes stay as they were, whatever their formatting."""
     original = json.dumps(config_from(None), indent=4, sort_keys=True).encode()  # no final newline either
