@@ -198,9 +198,10 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
     """The repo's code and config files (with `weights`, every file, shown with huggingface_hub's progress bars) in
     the Hub cache (honours HF_HUB_OFFLINE and the cache), as a snapshot dir.
 
-    The download runs in a worker thread: after HUB_PATIENCE seconds without an answer a line says that the Hub is
-    being contacted; a code-and-config fetch that has no answer after the deadline uses the cached snapshot, with a
-    line saying so, or fails with one line (a download of weights, with its progress bars, is not cut short)."""
+    The code-and-config fetch runs in a worker thread: after HUB_PATIENCE seconds without an answer a line says that
+    the Hub is being contacted; with no answer after the deadline the cached snapshot is used, with a line saying so,
+    or the command fails with one line. With `weights` that fetch comes first, so a Hub that never answers is caught
+    the same way; once it has answered, the weights download with their progress bars and no deadline."""
     import sys
     import threading
 
@@ -213,18 +214,18 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
 
     def fetch() -> None:
         try:
-            done["path"] = _snapshot(repo_id, revision, token, weights, at, offline=False)
+            done["path"] = _snapshot(repo_id, revision, token, False, at, offline=False)
         except BaseException as e:  # handed to the caller's thread
             done["error"] = e
 
     worker = threading.Thread(target=fetch, daemon=True)  # daemon: a Hub that never answers does not block exit
     worker.start()
-    deadline = None if weights else _hub_deadline()
-    patience = HUB_PATIENCE if deadline is None else min(HUB_PATIENCE, deadline / 2)
+    deadline = _hub_deadline()
+    patience = min(HUB_PATIENCE, deadline / 2)
     worker.join(patience)
     if worker.is_alive():
         print(f"moe-rewrite: contacting the Hub for {at} ...", file=sys.stderr, flush=True)
-        worker.join(None if deadline is None else deadline - patience)
+        worker.join(deadline - patience)
     if worker.is_alive():
         try:
             path = _snapshot(repo_id, revision, token, weights, at, offline=True)
@@ -242,7 +243,7 @@ def download_snapshot(repo_id: str, revision: str | None, token: str | None, wei
         return path
     if "error" in done:
         raise done["error"]
-    return done["path"]
+    return _snapshot(repo_id, revision, token, True, at, offline=False) if weights else done["path"]
 
 
 def _snapshot(repo_id: str, revision: str | None, token: str | None, weights: bool, at: str, offline: bool) -> Path:

@@ -314,8 +314,9 @@ def test_a_hub_that_never_answers_falls_back_to_the_cache_and_says_so(hub_cache,
     assert lines[2].startswith(f"would rewrite {REPO}@{MAIN_COMMIT[:12]}/{MODELING} (V3 form")
 
 
-def test_a_hub_that_never_answers_fails_in_one_line_without_a_cache(hub_cache, silent_hub, tmp_path):
-    code, stdout, err, took = run_against(silent_hub, "nobody/nothing", "--out", tmp_path / "out")
+@pytest.mark.parametrize("weights", [[], ["--include-weights"]], ids=["code", "weights"])
+def test_a_hub_that_never_answers_fails_in_one_line_without_a_cache(hub_cache, silent_hub, tmp_path, weights):
+    code, stdout, err, took = run_against(silent_hub, "nobody/nothing", "--out", tmp_path / "out", *weights)
     lines = err.splitlines()
     assert code == 2 and stdout == "" and took < 30 and "Traceback" not in err, err
     assert lines == [lines[0], lines[1]] and lines[0] == "moe-rewrite: contacting the Hub for nobody/nothing ..."
