@@ -47,7 +47,7 @@ compat-envs: $(COMPAT_ENVS)
 test: venv compat-envs
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
-	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q
+	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
 # Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to templates/ or the
