@@ -390,7 +390,7 @@ def main():
             impls.append(("liger-fused_moe", None, {}))
         if sonic is not None:
             impls.append(("sonicmoe", None, {}))
-        # our own kernels on the fused parameters (auto would pick SonicMoE where it is installed: the next row)
+        # our own kernels on the fused parameters (backend torch, what auto picks here; SonicMoE is the next row)
         fused = {"fused": True, "MOE_REWRITE_BACKEND": "torch"}
         impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), fused))
         if sonic is not None:  # the generated code's sonicmoe backend on the same fused parameters

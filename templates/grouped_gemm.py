@@ -287,8 +287,9 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         row_weight = topk_weight.reshape(-1)[order].unsqueeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)
         silu = _moe_rewrite_is_silu(act_fn)
-        with torch.enable_grad():  # the activation's own backward, unless it is SiLU (aten.silu_backward below)
-            gate_in = gate if silu else gate.detach().requires_grad_(ctx.needs_input_grad[0])
+        # the activation's own backward through autograd, unless it is SiLU (aten.silu_backward below)
+        gate_in = gate.detach().requires_grad_(ctx.needs_input_grad[0] and not silu)
+        with torch.enable_grad():
             act_graph = act_fn(gate_in)
         act = act_graph.detach()
         hidden = act * up

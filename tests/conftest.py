@@ -156,6 +156,17 @@ def build_model(path: Path, seed: int = 0, **config_overrides):
     return AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.float32)
 
 
+def same_bits(a, b) -> bool:
+    """Bit-for-bit equal tensors, NaNs included: the stand-ins leave e_score_correction_bias uninitialised, as the
+    published V3 file does (a checkpoint fills it), so a saved and reloaded copy may hold NaNs, which torch.equal
+    calls different."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
 def per_expert_grads(grads: dict) -> dict:
     """Gradients of fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) under the per-expert names."""
     out = {}
