@@ -123,8 +123,7 @@ def _publish(
     if out is not None:
         copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
         report.info(f"  {out}: {copied} copied, {linked} linked")
-    config = src.root / "config.json" if src.root is not None else None
-    if config is not None and config.is_file() and checkpoint.files.get("config.json") != config.read_bytes():
+    if publish.changed_config(src, checkpoint) is not None:
         report.info("  config.json: auto_map now takes the code from the patched files beside it")
     if push is not None:
         done = "opened a pull request on" if push.create_pr else "pushed to"
@@ -354,12 +353,11 @@ def _rewrite_file(
     path = src.modeling_file
     if diff:
         click.echo(unified_diff(Path(src.name), src.read(), result.text), nl=False)
-        config = src.root / "config.json" if src.root is not None else None
-        if config is not None and config.is_file():  # and the auto_map edit --out would make, if any
-            planned = publish.plan_checkpoint(src, result.text).files.get("config.json")
-            if planned is not None and planned != config.read_bytes():
-                name = Path(src.name).parent / "config.json"
-                click.echo(unified_diff(name, sources.read_text(config), planned.decode("utf-8")), nl=False)
+        # and the auto_map edit --out would make, if any
+        planned = publish.changed_config(src, publish.plan_checkpoint(src, result.text))
+        if planned is not None:
+            before = sources.read_text(src.root / "config.json")  # a one-line error if not UTF-8
+            click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
     report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/templates.py SECTIONS)")

@@ -187,6 +187,15 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
     return Checkpoint(files, links)
 
 
+def changed_config(source: Source, checkpoint: Checkpoint) -> bytes | None:
+    """The checkpoint's config.json when it differs from the source's (auto_map made local), else None."""
+    config = source.root / "config.json" if source.root is not None else None
+    planned = checkpoint.files.get("config.json")
+    if config is None or planned is None or not config.is_file() or planned == config.read_bytes():
+        return None
+    return planned
+
+
 def write_checkpoint(out: Path, checkpoint: Checkpoint) -> tuple[list[Path], list[Path]]:
     """Write the files and make the links in `out` (never a link to `out` or a directory holding it), all or none,
     and record them in its manifest. Returns (written, linked); written[0] is the patched modeling file."""
