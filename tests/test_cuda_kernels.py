@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import runtime_env  # noqa: E402
 from test_runtime import tiny_moe  # noqa: E402
 
 from templates import grouped_gemm  # noqa: E402
@@ -60,20 +61,14 @@ def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, kind, tokens):
     x = torch.randn(tokens, HIDDEN, generator=generator).cuda().bfloat16()
     ids, w = routing(kind, tokens, generator)
     probe = torch.randn(tokens, HIDDEN, generator=generator).cuda()
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", backend)
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", backend)
     ran = []
     sonic = grouped_gemm._moe_rewrite_sonicmoe_experts
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append(1) or sonic(*a))
     got = step(moe, x, ids, w, probe)
     assert bool(ran) == (backend == "sonicmoe")  # SonicMoE ran it, not the fallback
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
     want = step(moe.float(), x.float(), ids, w, probe)
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
     for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
         assert a.dtype == (torch.float32 if name in ("output", "routing weights") else torch.bfloat16), name
         assert rel(a, b) < 1e-2, (name, rel(a, b))

@@ -7,6 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import runtime_env  # noqa: E402
+
 from templates import expert_linears, fused_checkpoint, fused_experts, grouped_gemm, parameter_lora, per_expert  # noqa: E402
 
 ACT = torch.nn.functional.silu
@@ -199,13 +201,10 @@ def test_kernel_choice_and_settings_are_read_once_per_process(monkeypatch):
 def test_sonicmoe_backend_is_refused_where_it_cannot_run_and_gives_way_to_the_grouped_gemms(monkeypatch):
     """Asked for on a machine without an sm90 GPU and sonic-moe: one clear error. Where SonicMoE would run, the core
     still runs its own GEMMs for what SonicMoE cannot reproduce (tests/test_cuda_kernels.py runs SonicMoE itself)."""
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
-    monkeypatch.setenv("MOE_REWRITE_BACKEND", "sonicmoe")
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "sonicmoe")
     with pytest.raises(RuntimeError, match="'sonicmoe' needs the sonic-moe package, an sm90 GPU"):
         grouped_gemm._moe_rewrite_kernel(torch.device("cpu"), torch.bfloat16)
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", None)
     moe = tiny_moe("fused", hidden=16, inter=8)
     moe.experts.act_fn = torch.nn.SiLU()
     x = torch.randn(3, 16, dtype=torch.float64)

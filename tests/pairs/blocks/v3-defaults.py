@@ -182,6 +182,13 @@ class _MoeRewriteExpertWeight:
         return (compute().to(self.weight.dtype),)
 
 
+def _moe_rewrite_kept(stacked, keep_stacked, tensors):
+    """What an autograd node keeps of a stacked weight for backward: the weight when asked to (keep_stacked) or when it
+    is one of the source's own tensors, which costs nothing to keep (autograd saves nn.Linear's weight the same way);
+    else None, and backward rebuilds it."""
+    return stacked if keep_stacked or any(stacked is t for t in tensors) else None
+
+
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
     """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
 
@@ -194,9 +201,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, offsets, kernel, keep_stacked, source, *tensors):
         stacked = source.stacked(x.dtype)
         ctx.kernel, ctx.source = kernel, source
-        # A tensor used as it is costs nothing to keep (autograd saves nn.Linear's weight the same way).
-        keep = keep_stacked or any(stacked is t for t in tensors)
-        ctx.save_for_backward(x, offsets, stacked if keep else None)
+        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
         return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
 
     @staticmethod
@@ -266,8 +271,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         out = _moe_rewrite_gmm(kernel, act_fn(gate) * up, stacked, offsets, "fwd")
         out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
         ctx.kernel, ctx.source, ctx.act_fn = kernel, source, act_fn
-        keep = keep_stacked or any(stacked is t for t in tensors)
-        ctx.save_for_backward(gate_up, topk_weight, order, offsets, stacked if keep else None)
+        ctx.save_for_backward(gate_up, topk_weight, order, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
         return _moe_rewrite_combine(out, topk_weight)
 
     @staticmethod
