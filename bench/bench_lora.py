@@ -192,7 +192,7 @@ def main():
         for impl, module, modeling, backend in impls:
             fn = functools.partial(forward, impl, module)
             if modeling is not None:
-                b.set_backend(modeling, backend)
+                b.set_backend(modeling, {"MOE_REWRITE_BACKEND": backend})
             warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
             t0 = time.time()
             ms, host_ms, peak, y, x = b.run_impl(fn, data, module, None, warm, reps)
@@ -223,7 +223,7 @@ def main():
                 )
             )
             print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
-        b.set_backend(plain_mod, None)
+        b.set_backend(plain_mod, {})
         del plain, fused, wrapped, peer, data, ref
         torch.cuda.empty_cache()
     import peft

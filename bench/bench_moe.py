@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -71,12 +72,17 @@ def kernel_of(modeling, x):
         return kernel(x, x.dtype)
 
 
-def set_backend(modeling, backend):
-    """MOE_REWRITE_BACKEND for the next rows (None: the file's own); the generated code reads it once per process, so
-    its caches are emptied here, as a new process would start."""
-    os.environ.pop("MOE_REWRITE_BACKEND", None)
-    if backend is not None:
-        os.environ["MOE_REWRITE_BACKEND"] = backend
+RUNTIME_VARIABLES = ("MOE_REWRITE_BACKEND", "MOE_REWRITE_TRITON")  # what a row's env may set for the generated code
+
+
+def set_backend(modeling, env):
+    """The generated code's environment variables for the next rows, from a row's env (unset ones: the file's own
+    choice); the generated code reads them once per process, so its caches are emptied here, as a new process would
+    start."""
+    for variable in RUNTIME_VARIABLES:
+        os.environ.pop(variable, None)
+        if env.get(variable) is not None:
+            os.environ[variable] = env[variable]
     for cache in ("_moe_rewrite_kernels", "_moe_rewrite_settings"):
         getattr(modeling, cache, {}).clear()
 
@@ -327,7 +333,9 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also write a kernel-time profile per config")
     parser.add_argument("--code", default=str(ROOT), help="moe-rewrite checkout to measure (another commit's tree)")
     parser.add_argument("--label", default="h200", help="name of the JSON written into --out")
-    parser.add_argument("--only", help="comma-separated rows to run besides naive-loop (the reference), e.g. sonicmoe")
+    parser.add_argument(
+        "--only", help="comma-separated rows to run besides naive-loop (the reference): sonicmoe,moe-rewrite[fused]"
+    )
     args = parser.parse_args()
     global CODE
     CODE = Path(args.code).resolve()
@@ -393,6 +401,8 @@ def main():
         # our own kernels on the fused parameters (backend torch, what auto picks here; SonicMoE is the next row)
         fused = {"fused": True, "MOE_REWRITE_BACKEND": "torch"}
         impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), fused))
+        no_triton = {**fused, "MOE_REWRITE_TRITON": "0"}  # the same steps as torch ops (what 0.3's first cut ran)
+        impls.append(("moe-rewrite[fused,no-triton]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), no_triton))
         if sonic is not None:  # the generated code's sonicmoe backend on the same fused parameters
             impls.append(
                 (
@@ -402,7 +412,7 @@ def main():
                 )
             )
         if args.only:
-            wanted = {"naive-loop", *args.only.split(",")}
+            wanted = {"naive-loop", *re.split(r",(?![^\[]*\])", args.only)}  # commas inside [...] are the name's
             if wanted & {"liger-fused_moe", "sonicmoe"}:
                 wanted.add("transformers-grouped_mm")  # their weights come from the transformers peer
             impls = [impl for impl in impls if impl[0] in wanted]
@@ -412,7 +422,7 @@ def main():
         to_profile = []
         for impl, fn, env in impls:
             if env.get("fused"):  # last, as fusing is irreversible
-                set_backend(modeling, None)
+                set_backend(modeling, {})
                 modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
                 for p in moe.parameters():  # undo flatten_experts: profile the default layout
                     p.data = p.data.clone()
@@ -431,7 +441,7 @@ def main():
                 sonic_peer = SonicPeer(peer)
                 fn = functools.partial(sonic_peer.forward, sonic)
             run_peer = sonic_peer if impl == "sonicmoe" else peer
-            set_backend(modeling, env.get("MOE_REWRITE_BACKEND"))
+            set_backend(modeling, env)
             modeling.MOE_REWRITE_OPTIONS["stacking"] = env.get("stacking", "stack")
             if env.get("flat"):
                 flatten_experts(moe)
@@ -464,7 +474,7 @@ def main():
             print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
             if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm", "moe-rewrite[fused]"):
                 to_profile.append((impl, fn, peer))
-        set_backend(modeling, None)
+        set_backend(modeling, {})
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
         for impl, fn, peer_ in to_profile:
             profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{safe_name(impl)}.txt")

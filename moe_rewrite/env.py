@@ -1,13 +1,16 @@
 """`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
-the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why. The kernel comes from
-the generated code's own choice (templates/grouped_gemm.py), so it is what a rewritten file does on this machine.
+the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why (on a GPU, also whether
+its Triton kernels run). Both come from the generated code's own choice (templates/grouped_gemm.py), so they are what a
+rewritten file does on this machine.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import platform
+import sys
 
 from moe_rewrite import __version__
 from moe_rewrite.templates import template_dir
@@ -15,7 +18,7 @@ from moe_rewrite.templates import template_dir
 # The oldest and newest transformers releases the test suite runs the rewritten files on (README, "transformers
 # releases"); versions in between are covered too.
 TESTED_TRANSFORMERS = ((4, 46), (5, 24))
-PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "libcst", "grouped_gemm", "sonic-moe")
+PACKAGES = ("torch", "transformers", "peft", "huggingface_hub", "libcst", "triton", "grouped_gemm", "sonic-moe")
 
 
 def _version(package: str) -> str | None:
@@ -42,11 +45,17 @@ def transformers_support(version: str | None) -> str:
 
 
 def _runtime():
-    """templates/grouped_gemm.py as a module: the generated code's kernel choice, as the rewritten files run it."""
-    spec = importlib.util.spec_from_file_location("_moe_rewrite_env_runtime", template_dir() / "grouped_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """templates/grouped_gemm.py as a module, loaded afresh as a new process would (it reads the environment once),
+    of the templates as a package (it imports its sibling sections): the generated code's kernel choice as the
+    rewritten files run it."""
+    package = "_moe_rewrite_env_runtime"
+    for name in [name for name in sys.modules if name.split(".")[0] == package]:
+        del sys.modules[name]
+    init = template_dir() / "__init__.py"
+    spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(init.parent)])
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[package])
+    return importlib.import_module(f"{package}.grouped_gemm")
 
 
 def _why(kernel: str, device, torch) -> str:
@@ -90,4 +99,15 @@ def report() -> list[str]:
             continue
         name = f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
         lines.append(f"kernel on {device} ({name}bf16, backend {backend}): {kernel}: {_why(kernel, device, torch)}")
+        if device.type == "cuda":
+            lines.append(f"elementwise steps on {device}: {_elementwise(runtime, device)}")
     return lines
+
+
+def _elementwise(runtime, device) -> str:
+    """Whether the Triton kernels (templates/triton_kernels.py) run SwiGLU and the weighted un-sort here."""
+    if runtime._moe_rewrite_triton(device) is not None:
+        return "Triton kernels (SwiGLU, its backward, the weighted un-sort)"
+    if runtime._moe_rewrite_setting("MOE_REWRITE_TRITON", "1") == "0":
+        return "torch ops (MOE_REWRITE_TRITON=0)"
+    return "torch ops (triton is not installed)"

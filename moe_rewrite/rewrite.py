@@ -87,6 +87,7 @@ def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
     except cst.ParserSyntaxError as e:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
     context = Context(options)
+    module = block.strip(module)
     for codemod in CODEMODS:
         module = codemod.transform(module, context)
     return module.code, context

@@ -4,6 +4,7 @@ sections it needs and imports nothing from moe-rewrite.
 
     grouped_gemm       the core: kernel choice, grouped GEMMs, one autograd Function over (E, out, in) weights,
                        token gather and weighted combine, the per-expert loop fallback; MoE.moe_train
+    triton_kernels     Triton kernels for the core's memory-bound steps (SwiGLU and its backward, weighted un-sort)
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> (gate_up, down, act_fn)
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained

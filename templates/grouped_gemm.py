@@ -9,15 +9,22 @@ for an (E, out, in) tensor, expert_linears.py's the one for E nn.Linear weights 
 
 import torch
 
+from .triton_kernels import (
+    _moe_rewrite_build_triton,
+    _moe_rewrite_sum_rows,
+    _moe_rewrite_swiglu,
+    _moe_rewrite_swiglu_backward,
+)
+
 # moe-rewrite writes the rewrite's own options here (backend, stacking, version; see moe_rewrite/options.py).
 MOE_REWRITE_OPTIONS = {"version": "template", "backend": "auto", "stacking": "stack"}
-_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, decided once per process
+_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels; decided once per process
 _moe_rewrite_settings = {}  # environment variable -> value, read once per process
 
 
 def _moe_rewrite_setting(name, default):
-    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_DIRECT_GRADS), read on first use and kept for
-    the process, so that no training step reads the environment."""
+    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_DIRECT_GRADS), read on
+    first use and kept for the process, so that no training step reads the environment."""
     if name not in _moe_rewrite_settings:
         import os
 
@@ -75,6 +82,18 @@ def _moe_rewrite_choose_kernel(device, dtype):
             return "grouped_gemm"
         return "sorted"
     raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, sonicmoe, grouped_gemm or loop")
+
+
+def _moe_rewrite_triton(device):
+    """The Triton kernels of the memory-bound steps (triton_kernels.py) for activations on `device`, or None, and the
+    same arithmetic runs as torch ops: off CUDA, without triton, with MOE_REWRITE_TRITON=0, or under torch.compile
+    (which fuses those steps itself). Built on first use and kept for the process."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    if "triton" not in _moe_rewrite_kernels:
+        wanted = _moe_rewrite_setting("MOE_REWRITE_TRITON", "1") != "0"
+        _moe_rewrite_kernels["triton"] = _moe_rewrite_build_triton() if wanted else None
+    return _moe_rewrite_kernels["triton"]
 
 
 def _moe_rewrite_grouped_gemm():
@@ -236,20 +255,28 @@ def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source):
 class _MoeRewriteGather(torch.autograd.Function):
     """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
 
-    Backward un-sorts the row gradients (a permutation, no atomics) and sums each token's top_k rows: deterministic.
+    Backward sums each token's top_k row gradients: un-sorted by a permutation and summed (no atomics, deterministic),
+    in one pass with `kernels` (the Triton kernels, or None).
     """
 
     @staticmethod
-    def forward(ctx, x, order, top_k):
+    def forward(ctx, x, order, top_k, kernels):
         ctx.save_for_backward(order)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.kernels = top_k, kernels
         return x.index_select(0, order // top_k)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
+        if ctx.kernels is not None:
+            return _moe_rewrite_sum_rows(ctx.kernels, grad, _moe_rewrite_positions(order), ctx.top_k), None, None, None
         unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
-        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None
+        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def _moe_rewrite_positions(order):
+    """Where each (token, slot) row is in expert order: the inverse of the permutation `order`."""
+    return torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def _moe_rewrite_combine(y, topk_weight):
@@ -268,27 +295,54 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     Backward recomputes act_fn(gate) * up, runs the down projection's input-gradient GEMM on the unweighted row
     gradients, and takes each routing weight's gradient as that GEMM's output dotted with the recomputed row
     (<dy, h W^T> = <dy W, h>), so neither the activation, the product nor the expert outputs are kept: about
-    TK * (2 * intermediate + hidden) elements less per layer than autograd over the composed ops. Same forward.
-    `gate_up` holds each row's gate then up projection; `order` sorts the (token, slot) rows by expert.
+    TK * (2 * intermediate + hidden) elements less per layer than autograd over the composed ops.
+    `gate_up` holds each row's gate then up projection; `order` sorts the (token, slot) rows by expert. For SiLU where
+    the Triton kernels run, SwiGLU, the un-sort and weighted sum, and backward's elementwise work are one pass each.
     """
 
     @staticmethod
     def forward(ctx, gate_up, topk_weight, order, offsets, kernel, keep_stacked, act_fn, source, *tensors):
         stacked = source.stacked(gate_up.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = _moe_rewrite_gmm(kernel, act_fn(gate) * up, stacked, offsets, "fwd")
-        out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
-        ctx.kernel, ctx.source, ctx.act_fn = kernel, source, act_fn
+        kernels = _moe_rewrite_triton(gate_up.device) if _moe_rewrite_is_silu(act_fn) else None
+        if kernels is not None:
+            hidden = _moe_rewrite_swiglu(kernels, gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = act_fn(gate) * up
+        out = _moe_rewrite_gmm(kernel, hidden, stacked, offsets, "fwd")
+        ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
         ctx.save_for_backward(gate_up, topk_weight, order, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
+        if kernels is not None:
+            dtype = torch.promote_types(out.dtype, topk_weight.dtype)
+            positions = _moe_rewrite_positions(order)
+            return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
+        out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
         return _moe_rewrite_combine(out, topk_weight)
 
     @staticmethod
     def backward(ctx, grad):
         gate_up, topk_weight, order, offsets, stacked = ctx.saved_tensors
-        kernel, act_fn = ctx.kernel, ctx.act_fn
+        kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
         grad_rows = grad.to(gate_up.dtype).index_select(0, order // topk_weight.shape[1])
-        row_weight = topk_weight.reshape(-1)[order].unsqueeze(-1)
+        row_weight = topk_weight.reshape(-1)[order]
+        tensor_grads = ctx.needs_input_grad[8:]  # after gate_up, ..., act_fn, source
+        grads = (None,) * len(tensor_grads)
+        if kernels is not None:
+            # SiLU in Triton: the down dgrad, then one pass over the rows for the gate/up gradients, the routing
+            # weights' dot products and the weighted rows (written over the dgrad's output), then the down wgrad
+            if stacked is None:
+                stacked = ctx.source.stacked(gate_up.dtype)
+            grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
+            stacked = None  # a rebuilt copy is freed before the gradients below are allocated
+            grad_gate_up, per_row = _moe_rewrite_swiglu_backward(
+                kernels, gate_up, grad_hidden, row_weight, weighted=any(tensor_grads)
+            )
+            if any(tensor_grads):
+                grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, grad_hidden, offsets, "wgrad"))
+            return (grad_gate_up, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), *(None,) * 6, *grads)
+        # any activation as torch ops: recompute act_fn(gate) * up, the down wgrad, dgrad, then gate/up's gradients
+        row_weight = row_weight.unsqueeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)
         silu = _moe_rewrite_is_silu(act_fn)
         # the activation's own backward through autograd, unless it is SiLU (aten.silu_backward below)
@@ -297,8 +351,6 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             act_graph = act_fn(gate_in)
         act = act_graph.detach()
         hidden = act * up
-        tensor_grads = ctx.needs_input_grad[8:]  # after gate_up, ..., act_fn, source
-        grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
             weighted = torch.mul(hidden, row_weight, out=torch.empty_like(hidden))  # one rounding, from fp32
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, weighted, offsets, "wgrad"))
@@ -307,14 +359,11 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             stacked = ctx.source.stacked(gate_up.dtype)
         grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
         stacked = grad_rows = None  # freed before the gradients below are allocated
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            per_row = (grad_hidden * hidden).sum(dim=-1, dtype=torch.float32)
-            grad_weight = torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape)
-            grad_weight = grad_weight.to(topk_weight.dtype)
-        hidden = None
+        per_row = (grad_hidden * hidden).sum(dim=-1, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight = _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight)
+        hidden = per_row = None
         if not ctx.needs_input_grad[0]:
-            return (None, grad_weight, None, None, None, None, None, None, *grads)
+            return (None, grad_weight, *(None,) * 6, *grads)
         grad_hidden = torch.mul(grad_hidden, row_weight, out=grad_hidden)
         # the gate and up gradients written into one buffer (no concatenation)
         grad_gate_up = torch.empty_like(gate_up)
@@ -324,7 +373,14 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(grad_hidden * up, gate, grad_input=grad_gate)
         else:
             grad_gate.copy_(torch.autograd.grad(act_graph, gate_in, grad_hidden * up)[0])
-        return (grad_gate_up, grad_weight, None, None, None, None, None, None, *grads)
+        return (grad_gate_up, grad_weight, *(None,) * 6, *grads)
+
+
+def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
+    """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
+    if not ctx.needs_input_grad[1]:
+        return None
+    return torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape).to(topk_weight.dtype)
 
 
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
@@ -344,7 +400,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # Cumulative row counts per expert, computed on the device: no host sync.
     experts = torch.arange(num_experts, device=flat_ids.device)
     offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
-    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1]).to(dtype)
+    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1], _moe_rewrite_triton(x.device)).to(dtype)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

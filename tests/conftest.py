@@ -33,6 +33,20 @@ def _isolate_hf() -> None:
 _isolate_hf()
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    """Without a GPU, tests/test_triton_kernels.py runs the Triton kernels in Triton's interpreter, which must be
+    chosen before triton is first imported."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
+
 def forget_runtime_settings() -> None:
     """Make every loaded patched module read its environment variables and choose its kernel again (the generated
     code does both once per process)."""

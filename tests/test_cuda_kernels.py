@@ -1,8 +1,8 @@
 """The generated core's GPU kernels against the per-expert loop in float32 on the same bf16 weights: torch._grouped_mm
-(backend torch) and SonicMoE (backend sonicmoe, where sonic-moe is installed on an sm90 GPU). Outputs and the
-gradients of x, the routing weights and both expert parameters within 1e-2, empty experts' weight gradients exact
-zeros, under random, skewed and single-token routing. CI's CPU machine skips this file (no GPU); its runs on the H200
-are recorded in bench/results/ (h200-cuda-tests-*.txt).
+(backend torch, with the Triton kernels and without) and SonicMoE (backend sonicmoe, where sonic-moe is installed on
+an sm90 GPU). Outputs and the gradients of x, the routing weights and both expert parameters within 1e-2, empty
+experts' weight gradients exact zeros, under random, skewed and single-token routing. CI's CPU machine skips this file
+(no GPU); its runs on the H200 are recorded in bench/results/ (h200-cuda-tests-*.txt).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def step(moe, x, ids, w, probe):
 
 
 @pytest.mark.parametrize("kind,tokens", [("random", 300), ("skewed", 300), ("random", 1)])
-@pytest.mark.parametrize("backend", ["torch", "sonicmoe"])
-def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, kind, tokens):
+@pytest.mark.parametrize("backend,triton", [("torch", "1"), ("torch", "0"), ("sonicmoe", "1")])
+def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, triton, kind, tokens):
     if backend == "sonicmoe" and grouped_gemm._moe_rewrite_sonicmoe() is None:
         pytest.skip("sonic-moe is not installed")
     if torch.cuda.get_device_capability() < (9, 0):
@@ -62,11 +62,14 @@ def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, kind, tokens):
     ids, w = routing(kind, tokens, generator)
     probe = torch.randn(tokens, HIDDEN, generator=generator).cuda()
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", backend)
+    runtime_env(monkeypatch, "MOE_REWRITE_TRITON", triton)
     ran = []
-    sonic = grouped_gemm._moe_rewrite_sonicmoe_experts
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append(1) or sonic(*a))
+    sonic, swiglu = grouped_gemm._moe_rewrite_sonicmoe_experts, grouped_gemm._moe_rewrite_swiglu
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append("sonic") or sonic(*a))
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_swiglu", lambda *a: ran.append("triton") or swiglu(*a))
     got = step(moe, x, ids, w, probe)
-    assert bool(ran) == (backend == "sonicmoe")  # SonicMoE ran it, not the fallback
+    # SonicMoE ran it (not the fallback), or the Triton kernels did where they are on
+    assert ran == (["sonic"] if backend == "sonicmoe" else ["triton"] if triton == "1" else [])
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
     want = step(moe.float(), x.float(), ids, w, probe)
     for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):

@@ -12,9 +12,9 @@ as one block in front of the MoE class, and their MoE-class methods right after 
         # moe-rewrite: generated method, regenerated on every run
         def moe_train(self, x, topk_ids, topk_weight): ...
 
-An earlier run's block and methods are replaced, so a run with other options rewrites them and a run with the same
-options changes nothing. A later section's method replaces an earlier one of the same name (per_expert.py's
-moe_rewrite_expert_weights replaces fused_experts.py's).
+An earlier run's block (removed by `strip` before the other codemods run) and methods are replaced, so a run with
+other options rewrites them and a run with the same options changes nothing. A later section's method replaces an
+earlier one of the same name (per_expert.py's moe_rewrite_expert_weights replaces fused_experts.py's).
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ def _generated_block(module: cst.Module) -> set[int]:
     return found
 
 
+def strip(module: cst.Module) -> cst.Module:
+    """The module without an earlier run's generated block. rewrite.py calls it before the other codemods: the block
+    is most of a rewritten file, and none of them has anything to do in it."""
+    generated = _generated_block(module)
+    return module.with_changes(body=[stmt for stmt in module.body if id(stmt) not in generated])
+
+
 def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
     """The class with the generated methods right after its forward (replacing earlier ones)."""
     body: list[cst.BaseStatement] = []
@@ -74,11 +81,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             statements += section.statements[1:]
     statements[0] = statements[0].with_changes(leading_lines=banner_lines(context.moe.name, context.options))
     methods = {method.name.value: marked(method) for section in sections for method in section.moe_methods}
-    generated = _generated_block(module)
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
-        if id(stmt) in generated:
-            continue
         if isinstance(stmt, cst.ClassDef) and stmt.name.value == context.moe.name:
             body += [*statements, _with_methods(stmt, list(methods.values()))]
         else:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context
+from moe_rewrite.codemods import Context, replace
 from moe_rewrite.errors import RewriteError
 
 CHECKPOINTING_ON = m.BooleanOperation(
@@ -157,9 +157,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     # A file without a decoder loop (a bare MoE module) has nothing to checkpoint: on by default, so not an error.
     for forward in forwards:
         if not _natively_checkpointed(forward):  # the V2 form checkpoints already
-            module = cst.ensure_type(
-                module.deep_replace(forward, _rewrite_forward(forward, enabled, module.config_for_parsing)), cst.Module
-            )
+            module = replace(module, forward, _rewrite_forward(forward, enabled, module.config_for_parsing))
     if m.findall(module, OUR_CALL):
         context.sections.add("checkpointing")
     return module

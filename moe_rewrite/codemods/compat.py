@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context
+from moe_rewrite.codemods import MARK, Context, replace
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.templates import render_statements
 
@@ -377,9 +377,7 @@ def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module
             new = cst.parse_statement(
                 f"_tied_weights_keys = {{{entries}}}  {TIED_NOTE}\n", config=module.config_for_parsing
             )
-            module = cst.ensure_type(
-                module.deep_replace(stmt, new.with_changes(leading_lines=stmt.leading_lines)), cst.Module
-            )
+            module = replace(module, stmt, new.with_changes(leading_lines=stmt.leading_lines))
             changes.tied_keys.append(cls.name.value)
     return module
 
@@ -412,7 +410,7 @@ def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -
                 ),
                 cst.BaseStatement,
             )
-            module = cst.ensure_type(module.deep_replace(stmt, new), cst.Module)
+            module = replace(module, stmt, new)
             changes.position_ids.append(cls.name.value)
     return module
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, is_generated_method, marked
+from moe_rewrite.codemods import Context, is_generated_method, marked, replace
 from moe_rewrite.errors import RewriteError
 
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
@@ -55,5 +55,5 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
                 )
             body += [method for method in methods if method.name.value not in defined]
         new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
-        module = cst.ensure_type(module.deep_replace(cls, new_cls), cst.Module)
+        module = replace(module, cls, new_cls)
     return module

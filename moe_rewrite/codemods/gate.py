@@ -21,7 +21,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context
+from moe_rewrite.codemods import Context, replace
 from moe_rewrite.errors import RewriteError
 
 SELF_TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
@@ -107,6 +107,4 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if len(forwards) != 1:
         raise RewriteError(f"{gate_class} has no forward()")
     forward = forwards[0]
-    return cst.ensure_type(
-        module.deep_replace(forward, drop_training_guards(forward, f"{gate_class}.forward")), cst.Module
-    )
+    return replace(module, forward, drop_training_guards(forward, f"{gate_class}.forward"))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, is_generated_method, is_marked
+from moe_rewrite.codemods import Context, is_generated_method, is_marked, replace
 
 GUARD = (
     "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n"
@@ -107,7 +107,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
                 body.append(_statement(BIAS, module))
             used = used or guard
             new_fn = fn.with_changes(body=fn.body.with_changes(body=body))
-            module = cst.ensure_type(module.deep_replace(fn, new_fn), cst.Module)
+            module = replace(module, fn, new_fn)
     if used and buffered:  # at the end, where every class it names is defined
         records = _statement(RECORDS.format(classes="".join(f"\n    {name}," for name in buffered) + "\n"), module)
         module = module.with_changes(

@@ -560,7 +560,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         body=moe.body.with_changes(body=[forward if s is old_forward else s for s in moe.body.body])
     )
     context.moe = MoeClassInfo(name=moe.name.value, gate_class=gate_class_name(moe), form=form)
-    context.sections |= {"grouped_gemm"}
+    context.sections |= {"grouped_gemm", "triton_kernels"}
     if context.options.aux_loss:
         context.sections.add("aux_loss")
     if context.options.bias_update is not None:

@@ -1,0 +1,118 @@
+"""The Triton kernels of templates/triton_kernels.py against float64 references, alone and inside moe_train (output
+and the gradients of x, the routing weights and both fused parameters). On the CPU they run in Triton's interpreter
+(TRITON_INTERPRET=1, small sizes, a few column blocks per row); where there is a CUDA GPU, compiled, at Moonlight's
+row widths.
+tests/test_cuda_kernels.py compares the whole bf16 GPU path, Triton kernels on and off, with the loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # in the test extra: CI has it
+
+from test_runtime import reference, routing, tiny_moe  # noqa: E402
+
+from templates import grouped_gemm, triton_kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton interpret without a GPU
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """(device, kernels); on the CPU with 16-column blocks, so that the small rows take several blocks and a ragged
+    last one."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_TRITON_BLOCK", 16)
+    return DEVICE, triton_kernels._moe_rewrite_build_triton()
+
+
+def sizes(device):
+    """(rows, inter, hidden): rows of 2.5 blocks on the CPU, Moonlight's intermediate and hidden sizes on a GPU."""
+    return (24, 40, 40) if device == "cpu" else (3000, 1408, 2048)
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_swiglu_and_its_backward_equal_float64(kernels):
+    device, kernels = kernels
+    rows, inter, _ = sizes(device)
+    gate_up = torch.randn(rows, 2 * inter, device=device)
+    grad_h, row_weight = torch.randn(rows, inter, device=device), torch.rand(rows, device=device)
+    assert torch.allclose(triton_kernels._moe_rewrite_swiglu(kernels, gate_up).double(), silu_mul(gate_up.double()))
+
+    exact = gate_up.double().requires_grad_(True)
+    hidden = silu_mul(exact)
+    (want_grad,) = torch.autograd.grad(hidden, exact, grad_h.double() * row_weight.double()[:, None])
+    for weighted in (False, True):
+        overwritten = grad_h.clone()
+        got_grad, per_row = triton_kernels._moe_rewrite_swiglu_backward(
+            kernels, gate_up, overwritten, row_weight, weighted
+        )
+        assert torch.allclose(got_grad.double(), want_grad, atol=1e-5)
+        assert torch.allclose(per_row.double(), (grad_h.double() * hidden).sum(-1), atol=1e-4)
+        want_h = hidden * row_weight.double()[:, None] if weighted else grad_h.double()
+        assert torch.allclose(overwritten.double(), want_h.detach(), atol=1e-5)
+
+
+def test_sum_rows_unsorts_and_weights_each_tokens_rows(kernels):
+    device, kernels = kernels
+    _, _, hidden = sizes(device)
+    tokens, top_k = 7, 3
+    rows = torch.randn(tokens * top_k, hidden, device=device)
+    order = torch.randperm(tokens * top_k, device=device)
+    positions = grouped_gemm._moe_rewrite_positions(order)
+    assert torch.equal(order[positions], torch.arange(tokens * top_k, device=device))
+    unsorted = torch.empty_like(rows).index_copy_(0, order, rows).view(tokens, top_k, hidden).double()
+    weight = torch.rand(tokens, top_k, device=device)
+    got = triton_kernels._moe_rewrite_sum_rows(kernels, rows, positions, top_k, weight, torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), (unsorted * weight.double()[..., None]).sum(1), atol=1e-5)
+    got = triton_kernels._moe_rewrite_sum_rows(kernels, rows.bfloat16(), positions, top_k)
+    rounded = torch.empty_like(rows).index_copy_(0, order, rows.bfloat16().float()).view(tokens, top_k, hidden)
+    want = rounded.sum(1)  # summed in float32, one rounding to bf16
+    assert got.dtype == torch.bfloat16
+    if device == "cuda":
+        assert torch.equal(got, want.bfloat16())
+    else:  # the interpreter rounds float32 to bf16 toward zero (compiled kernels to nearest): within one bf16 step
+        assert torch.allclose(got.float(), want, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, kernels, tokens):
+    """The core in float32 with the kernels on against the per-expert float64 reference."""
+    device, kernels = kernels
+    ran = []
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device: ran.append(device) or kernels)
+    moe = tiny_moe("fused", hidden=24, inter=20)
+    moe.experts.act_fn = torch.nn.SiLU()
+    x = torch.randn(tokens, 24, dtype=torch.float64)
+    ids, w = routing(tokens, 6, 2)
+    probe = torch.randn(tokens, 24, dtype=torch.float64)
+
+    def step(moe, x, w, run):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        for p in moe.parameters():
+            p.grad = None
+        y = run(moe, x, w)
+        (y.double() * probe.to(y.device)).sum().backward()
+        grads = (x.grad, w.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad)
+        return [t.detach().cpu().double() for t in (y, *grads)]
+
+    want = step(moe, x, w, lambda moe, x, w: reference(moe.experts, x, ids, w))
+    moe = moe.to(device, torch.float32)
+    got = step(
+        moe,
+        x.to(device, torch.float32),
+        w.to(device, torch.float32),
+        lambda m, x, w: m.moe_train(x, ids.to(x.device), w),
+    )
+    assert ran  # the gather and the expert output node asked for the kernels
+    for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
+        assert torch.allclose(a, b, atol=1e-5), name
+    for grad in got[3:]:  # experts 4 and 5 got no rows
+        assert torch.count_nonzero(grad[4:]) == 0
