@@ -100,13 +100,13 @@ def report() -> list[str]:
         name = f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
         lines.append(f"kernel on {device} ({name}bf16, backend {backend}): {kernel}: {_why(kernel, device, torch)}")
         if device.type == "cuda":
-            lines.append(f"elementwise steps on {device}: {_elementwise(runtime, device)}")
+            lines.append(f"elementwise steps on {device}: {_elementwise(runtime, device, torch)}")
     return lines
 
 
-def _elementwise(runtime, device) -> str:
+def _elementwise(runtime, device, torch) -> str:
     """Whether the Triton kernels (templates/triton_kernels.py) run SwiGLU and the weighted un-sort here."""
-    if runtime._moe_rewrite_triton(device) is not None:
+    if runtime._moe_rewrite_triton(torch.empty(0, device=device, dtype=torch.bfloat16)) is not None:
         return "Triton kernels (SwiGLU, its backward, the weighted un-sort)"
     if runtime._moe_rewrite_setting("MOE_REWRITE_TRITON", "1") == "0":
         return "torch ops (MOE_REWRITE_TRITON=0)"

@@ -84,11 +84,12 @@ def _moe_rewrite_choose_kernel(device, dtype):
     raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, sonicmoe, grouped_gemm or loop")
 
 
-def _moe_rewrite_triton(device):
-    """The Triton kernels of the memory-bound steps (triton_kernels.py) for activations on `device`, or None, and the
-    same arithmetic runs as torch ops: off CUDA, without triton, with MOE_REWRITE_TRITON=0, or under torch.compile
-    (which fuses those steps itself). Built on first use and kept for the process."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
+def _moe_rewrite_triton(tensor):
+    """The Triton kernels of the memory-bound steps (triton_kernels.py) for `tensor`'s rows, or None, and the same
+    arithmetic runs as torch ops: off CUDA, in float64 (the kernels compute in float32), without triton, with
+    MOE_REWRITE_TRITON=0, or under torch.compile (which fuses those steps itself). Built on first use and kept for the
+    process."""
+    if tensor.device.type != "cuda" or tensor.dtype == torch.float64 or torch.compiler.is_compiling():
         return None
     if "triton" not in _moe_rewrite_kernels:
         wanted = _moe_rewrite_setting("MOE_REWRITE_TRITON", "1") != "0"
@@ -303,7 +304,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, topk_weight, order, offsets, kernel, keep_stacked, act_fn, source, *tensors):
         stacked = source.stacked(gate_up.dtype)
-        kernels = _moe_rewrite_triton(gate_up.device) if _moe_rewrite_is_silu(act_fn) else None
+        kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
         if kernels is not None:
             hidden = _moe_rewrite_swiglu(kernels, gate_up)
         else:
@@ -400,7 +401,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # Cumulative row counts per expert, computed on the device: no host sync.
     experts = torch.arange(num_experts, device=flat_ids.device)
     offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
-    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1], _moe_rewrite_triton(x.device)).to(dtype)
+    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1], _moe_rewrite_triton(x)).to(dtype)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

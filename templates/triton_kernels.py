@@ -1,6 +1,6 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
 one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, and the
-un-sort plus weighted sum of each token's top-k expert rows. The core uses them where `_moe_rewrite_triton(device)`
+un-sort plus weighted sum of each token's top-k expert rows. The core uses them where `_moe_rewrite_triton(rows)`
 (grouped_gemm.py) returns them, and runs the same arithmetic as torch ops everywhere else.
 """
 

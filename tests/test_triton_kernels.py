@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")  # in the test extra: CI has it
 
+from conftest import runtime_env  # noqa: E402
 from test_runtime import reference, routing, tiny_moe  # noqa: E402
 
 from templates import grouped_gemm, triton_kernels  # noqa: E402
@@ -87,7 +88,7 @@ def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, ker
     """The core in float32 with the kernels on against the per-expert float64 reference."""
     device, kernels = kernels
     ran = []
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device: ran.append(device) or kernels)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: ran.append(rows.device) or kernels)
     moe = tiny_moe("fused", hidden=24, inter=20)
     moe.experts.act_fn = torch.nn.SiLU()
     x = torch.randn(tokens, 24, dtype=torch.float64)
@@ -116,3 +117,22 @@ def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, ker
         assert torch.allclose(a, b, atol=1e-5), name
     for grad in got[3:]:  # experts 4 and 5 got no rows
         assert torch.count_nonzero(grad[4:]) == 0
+
+
+def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
+    """The choice, decided once per process: CUDA rows in bf16, fp16 or fp32 get the kernels; float64 rows (the
+    kernels compute in float32), other devices and MOE_REWRITE_TRITON=0 get None (torch ops). Tensors are stood in for
+    by their device and dtype: nothing runs on a GPU here."""
+    from types import SimpleNamespace
+
+    def rows(device, dtype):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
+    kernels = grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16))
+    assert sorted(kernels) == ["sum_rows", "swiglu", "swiglu_backward"]
+    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float32)) is kernels  # built once
+    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float64)) is None
+    assert grouped_gemm._moe_rewrite_triton(rows("cpu", torch.bfloat16)) is None
+    runtime_env(monkeypatch, "MOE_REWRITE_TRITON", "0")
+    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16)) is None
