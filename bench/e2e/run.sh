@@ -3,7 +3,8 @@
 #   bash bench/e2e/run.sh            # NPROC defaults to the number of GPUs
 # PER_EXPERT=1 adds rows for files rewritten with --no-fuse-experts; FORWARD_PREFETCH=1 adds FSDP1 rows (baseline and
 # defaults) with forward_prefetch=True; NO_CKPT_ROW=1 adds a row without gradient checkpointing (too large for 26 MoE
-# layers); FSDP="fsdp1" runs one flavour.
+# layers); FSDP="fsdp1" runs one flavour; LORA_RANK=16 trains LoRA adapters of rank 16 on every linear layer (the
+# routed experts included) in every row instead of every parameter.
 # Environment (transformers 4.5x and libcst from .whl/): bench/e2e/setup.sh.
 set -euo pipefail
 source bench/e2e/setup.sh
@@ -21,6 +22,7 @@ python3 -m moe_rewrite fixtures/deepseek_v3 --out /tmp/e2e/per-expert --no-fuse-
 run() {  # impl checkpoint-dir fsdp [extra args...]
   local impl=$1 dir=$2 fsdp=$3; shift 3
   local tag; tag=$(echo "$*" | tr -d ' -')
+  if [ -n "${LORA_RANK:-}" ]; then set -- "$@" --lora-rank "$LORA_RANK"; tag=${tag}lora$LORA_RANK; fi
   torchrun --standalone --nproc-per-node "$NPROC" bench/e2e/train.py --ckpt "/tmp/e2e/$dir" --impl "$impl" \
     --fsdp "$fsdp" --steps "$STEPS" --moe-layers "$MOE_LAYERS" --out "$OUT/row_${fsdp}_${dir}${tag:+_$tag}.json" "$@" 2>&1 | grep -v "^W1\|Warning\|warn(" || true
 }

@@ -5,6 +5,8 @@
 
 One run = one implementation (the patched file decides: rewritten with `--backend loop` for the naive-loop baseline,
 with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs all four and writes the table.
+`--lora-rank R` trains PEFT LoRA adapters of rank R on every linear layer but the head (the routed experts included)
+with the base frozen, as examples/finetune.py does; without it every parameter trains.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--profile", help="write a kernel-time table of the last two steps (rank 0) to this file")
     parser.add_argument("--trace", help="with --profile: also write the Chrome trace (Python stacks on) to this file")
     parser.add_argument("--forward-prefetch", action="store_true", help="FSDP1: forward_prefetch=True (both rows)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full training)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -132,12 +135,19 @@ def main() -> None:
     grad_ckpt = not args.no_grad_ckpt
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    decoder = model.model
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
+        model = get_peft_model(model, lora).to(torch.bfloat16)  # adapters in the base's dtype
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.train()
-    layer_cls = type(model.model.layers[0])
+    layer_cls = type(decoder.layers[0])
     if args.fsdp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in decoder.layers:
             fully_shard(layer)
         fully_shard(model)
     else:
@@ -154,7 +164,11 @@ def main() -> None:
         )
     fused_adamw = args.adamw == "fused" and cuda
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused_adamw, foreach=not fused_adamw
+        [p for p in model.parameters() if p.requires_grad],
+        lr=1e-4,
+        weight_decay=0.0,
+        fused=fused_adamw,
+        foreach=not fused_adamw,
     )
 
     def batch(step: int, micro: int) -> torch.Tensor:
@@ -224,6 +238,8 @@ def main() -> None:
             accum=args.accum,
             sync_each_micro_batch=args.sync_each_micro_batch,
             forward_prefetch=args.forward_prefetch,
+            lora_rank=args.lora_rank,
+            trainable_params=trainable,
             step_times_s=[round(t, 4) for t in times],
         )
         with open(args.out, "w") as f:
