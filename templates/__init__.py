@@ -2,8 +2,9 @@
 with what each does, and renders them). Tests import these modules directly; a rewritten file holds a copy of the
 sections it needs and imports nothing from moe-rewrite.
 
-    grouped_gemm       the core: kernel choice, grouped GEMMs, one autograd Function over (E, out, in) weights,
-                       token gather and weighted combine, the per-expert loop fallback; MoE.moe_train
+    grouped_gemm       the core: kernel choice, grouped GEMMs, autograd Functions over (E, out, in) weights (the
+                       gathered first GEMM, the down GEMM with the weighted combine, the adapters' GEMMs), the
+                       per-expert loop fallback; MoE.moe_train
     triton_kernels     Triton kernels for the core's memory-bound steps (SwiGLU and its backward, weighted un-sort)
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> (gate_up, down, act_fn)

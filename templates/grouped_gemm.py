@@ -254,10 +254,10 @@ def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source):
 
 
 class _MoeRewriteGather(torch.autograd.Function):
-    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert.
+    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert (for adapters on gate_up,
+    which read the rows too; without them the gather is part of _MoeRewriteGatheredLinear).
 
-    Backward sums each token's top_k row gradients: un-sorted by a permutation and summed (no atomics, deterministic),
-    in one pass with `kernels` (the Triton kernels, or None).
+    Backward sums each token's top_k row gradients (_moe_rewrite_token_sums).
     """
 
     @staticmethod
@@ -269,10 +269,50 @@ class _MoeRewriteGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        if ctx.kernels is not None:
-            return _moe_rewrite_sum_rows(ctx.kernels, grad, _moe_rewrite_positions(order), ctx.top_k), None, None, None
-        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
-        return unsorted.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+        return _moe_rewrite_token_sums(ctx.kernels, grad, order, ctx.top_k, grad.dtype), None, None, None
+
+
+class _MoeRewriteGatheredLinear(torch.autograd.Function):
+    """The first grouped GEMM on the gathered rows: x[order[i] // top_k] in `dtype` times its expert's weight, keeping
+    x (which the router keeps anyway) instead of the rows (TK x hidden). Backward gathers the rows again for the weight
+    gradient and frees them before the input gradient (the rows' gradients summed per token) is allocated, so that
+    they are never alive together with both weight gradients. `source` is a weight source, as in
+    _MoeRewriteGroupedLinear."""
+
+    @staticmethod
+    def forward(ctx, x, order, offsets, top_k, dtype, kernel, keep_stacked, kernels, source, *tensors):
+        stacked = source.stacked(dtype)
+        ctx.top_k, ctx.dtype, ctx.kernel, ctx.kernels, ctx.source = top_k, dtype, kernel, kernels, source
+        ctx.save_for_backward(x, order, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
+        return _moe_rewrite_gmm(kernel, x.index_select(0, order // top_k).to(dtype), stacked, offsets, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, order, offsets, stacked = ctx.saved_tensors
+        grad = grad.contiguous()
+        tensor_grads = ctx.needs_input_grad[9:]  # after x, order, offsets, top_k, dtype, kernel, keep, kernels, source
+        grads = (None,) * len(tensor_grads)
+        if any(tensor_grads):
+            rows = x.index_select(0, order // ctx.top_k).to(ctx.dtype)
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
+            rows = None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if stacked is None:
+                stacked = ctx.source.stacked(ctx.dtype)
+            grad_rows = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
+            stacked = None
+            grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_rows, order, ctx.top_k, x.dtype)
+        return (grad_x, *(None,) * 8, *grads)
+
+
+def _moe_rewrite_token_sums(kernels, grad_rows, order, top_k, dtype):
+    """Each token's top_k row gradients (rows in expert order) summed, in float32, as `dtype`: un-sorted by a
+    permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton kernels, or None)."""
+    if kernels is not None:
+        return _moe_rewrite_sum_rows(kernels, grad_rows, _moe_rewrite_positions(order), top_k, dtype=dtype)
+    unsorted = torch.empty_like(grad_rows, dtype=dtype).index_copy_(0, order, grad_rows.to(dtype))
+    return unsorted.view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
 
 
 def _moe_rewrite_positions(order):
@@ -401,13 +441,18 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # Cumulative row counts per expert, computed on the device: no host sync.
     experts = torch.arange(num_experts, device=flat_ids.device)
     offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
-    rows = _MoeRewriteGather.apply(x, order, topk_ids.shape[1], _moe_rewrite_triton(x)).to(dtype)
+    top_k, kernels = topk_ids.shape[1], _moe_rewrite_triton(x)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
-    gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
-    gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
+    if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
+        inputs = (x, order, offsets, top_k, dtype, kernel, keep, kernels, gate_up_w, *gate_up_w.tensors)
+        gate_up = _MoeRewriteGatheredLinear.apply(*inputs)
+    else:  # the adapters read the gathered rows too
+        rows = _MoeRewriteGather.apply(x, order, top_k, kernels).to(dtype)
+        gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
+        gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
     if adapters.get("gate_proj") or adapters.get("up_proj"):
         gate, up = gate_up.chunk(2, dim=-1)
         gate = _moe_rewrite_add_lora(gate, rows, offsets, kernel, keep, adapters.get("gate_proj", ()))

@@ -165,6 +165,37 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     assert torch.count_nonzero(got[2][1]) == 0
 
 
+@pytest.mark.parametrize("keep_stacked", [True, False])
+@pytest.mark.parametrize("compute", [torch.float64, torch.float32], ids=["same-dtype", "cast"])
+def test_gathered_linear_passes_gradcheck(keep_stacked, compute):
+    """The first GEMM on gathered rows, keeping x instead of the rows: x's gradient summed over each token's rows
+    (through the cast to the compute dtype and back), the weight's, an empty expert's exactly zero."""
+    tokens, k, hidden, out = 5, 2, 4, 6
+    ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
+    order = ids.reshape(-1).argsort(stable=True)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, out, hidden, dtype=torch.float64, requires_grad=True)
+
+    def node(x, weight):
+        source = grouped_gemm._MoeRewriteExpertWeight(weight)
+        inputs = (x, order, offsets, k, compute, "sorted", keep_stacked, None, source, weight)
+        return grouped_gemm._MoeRewriteGatheredLinear.apply(*inputs)
+
+    if compute == torch.float64:
+        assert torch.autograd.gradcheck(node, (x, weight))
+    y = node(x, weight)
+    expert_of_row = ids.reshape(-1)[order]
+    ref = torch.stack([weight[e] @ x[i // k] for e, i in zip(expert_of_row.tolist(), order.tolist())])
+    probe = torch.randn_like(ref)
+    got = torch.autograd.grad((y.double() * probe).sum(), [x, weight])
+    want = torch.autograd.grad((ref * probe).sum(), [x, weight])
+    assert y.dtype == compute and torch.allclose(y.double(), ref, atol=1e-5)
+    for g, r in zip(got, want):
+        assert g.dtype == torch.float64 and torch.allclose(g, r, atol=1e-5)
+    assert torch.count_nonzero(got[1][1]) == 0
+
+
 def test_per_expert_weights_in_one_buffer_are_viewed_not_copied():
     moe = tiny_moe("per_expert")
     params = expert_params(moe)
