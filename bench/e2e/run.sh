@@ -3,8 +3,8 @@
 #   bash bench/e2e/run.sh            # NPROC defaults to the number of GPUs
 # PER_EXPERT=1 adds rows for files rewritten with --no-fuse-experts; FORWARD_PREFETCH=1 adds FSDP1 rows (baseline and
 # defaults) with forward_prefetch=True; NO_CKPT_ROW=1 adds a row without gradient checkpointing (too large for 26 MoE
-# layers); FSDP="fsdp1" runs one flavour; LORA_RANK=16 trains LoRA adapters of rank 16 on every linear layer (the
-# routed experts included) in every row instead of every parameter.
+# layers); FSDP="fsdp1" runs one flavour; LORA_RANK=16 trains LoRA adapters of rank 16 on attention and every routed
+# expert (train.py's LORA_TARGETS) in every row instead of every parameter.
 # Environment (transformers 4.5x and libcst from .whl/): bench/e2e/setup.sh.
 set -euo pipefail
 source bench/e2e/setup.sh

@@ -5,8 +5,8 @@
 
 One run = one implementation (the patched file decides: rewritten with `--backend loop` for the naive-loop baseline,
 with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs all four and writes the table.
-`--lora-rank R` trains PEFT LoRA adapters of rank R on every linear layer but the head (the routed experts included)
-with the base frozen, as examples/finetune.py does; without it every parameter trains.
+`--lora-rank R` trains PEFT LoRA adapters of rank R (alpha 2R) on the attention projections and every routed expert's
+gate, up and down projections, with the base frozen (LORA_TARGETS); without it every parameter trains.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ MOONLIGHT = dict(
     first_k_dense_replace=1,
     max_position_embeddings=8192,
 )
+# PEFT target_modules: attention and the routed experts (experts.{i}.*), not the shared experts or the dense MLP
+LORA_TARGETS = r".*\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|experts\.\d+\.(gate|up|down)_proj)"
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -139,7 +141,7 @@ def main() -> None:
     if args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
         model = get_peft_model(model, lora).to(torch.bfloat16)  # adapters in the base's dtype
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.train()
