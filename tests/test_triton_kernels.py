@@ -136,3 +136,38 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     assert grouped_gemm._moe_rewrite_triton(rows("cpu", torch.bfloat16)) is None
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", "0")
     assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16)) is None
+
+
+def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch, kernels):
+    """With LoRA on the down projection the core composes SwiGLU, the down GEMMs and the combine: the SwiGLU kernels
+    (an autograd Function of their own) against the same path as torch ops, outputs and every gradient, adapters'
+    included."""
+    device, kernels = kernels
+    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
+    moe.experts.act_fn = torch.nn.SiLU()
+    gate_up_w, down_w, act, _ = moe.moe_rewrite_expert_weights()
+    lora_a = torch.randn(6, 4, 20, device=device, requires_grad=True)  # (E, rank, inter)
+    lora_b = torch.randn(6, 24, 4, device=device, requires_grad=True)  # (E, hidden, rank)
+    source = grouped_gemm._MoeRewriteExpertWeight
+    adapters = {"down_proj": ((source(lora_a), source(lora_b), 0.5, torch.nn.Identity()),)}
+    x = torch.randn(11, 24, device=device)
+    ids, w = routing(11, 6, 2)
+    ids, w = ids.to(device), w.to(device, torch.float32)
+    leaves = [x.requires_grad_(True), w.requires_grad_(True), *moe.parameters(), lora_a, lora_b]
+    probe = torch.randn(11, 24, device=device)
+
+    def run(with_kernels):
+        ran = []
+        swiglu = grouped_gemm._MoeRewriteSwiGLU.apply
+        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels if with_kernels else None)
+        monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append(1) or swiglu(*a))
+        weights = (gate_up_w, down_w, act, adapters)
+        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32)
+        grads = torch.autograd.grad((y * probe).sum(), leaves)
+        return bool(ran), [y, *grads]
+
+    ran, got = run(True)
+    ran_without, want = run(False)
+    assert ran and not ran_without
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -402,6 +402,24 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         return (grad_gate_up, grad_weight, *(None,) * 6, *grads)
 
 
+class _MoeRewriteSwiGLU(torch.autograd.Function):
+    """silu(gate) * up for rows of gate_up = [gate; up] through the Triton kernels, keeping only gate_up: the product
+    for adapters on the down projection, which read it (without them _MoeRewriteExpertOutput does this itself)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, kernels):
+        ctx.save_for_backward(gate_up)
+        ctx.kernels = kernels
+        return _moe_rewrite_swiglu(kernels, gate_up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        unweighted = torch.ones(gate_up.shape[0], device=gate_up.device)
+        grad_gate_up, _ = _moe_rewrite_swiglu_backward(ctx.kernels, gate_up, grad.contiguous(), unweighted, False)
+        return grad_gate_up, None
+
+
 def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
@@ -447,8 +465,12 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
         return _MoeRewriteExpertOutput.apply(
             gate_up, topk_weight, order, offsets, kernel, keep, act_fn, down_w, *down_w.tensors
         )
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = act_fn(gate) * up
+    kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
+    if kernels is not None:
+        hidden = _MoeRewriteSwiGLU.apply(gate_up, kernels)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
