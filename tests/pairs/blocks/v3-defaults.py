@@ -292,8 +292,9 @@ class _MoeRewriteGatheredLinear(torch.autograd.Function):
 
 
 def _moe_rewrite_token_sums(kernels, grad_rows, order, top_k, dtype):
-    """Each token's top_k row gradients (rows in expert order) summed, in float32, as `dtype`: un-sorted by a
-    permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton kernels, or None)."""
+    """Each token's top_k row gradients (rows in expert order) summed in `dtype` (accumulated in float32 for bf16 and
+    fp16): un-sorted by a permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton
+    kernels, or None)."""
     if kernels is not None:
         return _moe_rewrite_sum_rows(kernels, grad_rows, _moe_rewrite_positions(order), top_k, dtype=dtype)
     unsorted = torch.empty_like(grad_rows, dtype=dtype).index_copy_(0, order, grad_rows.to(dtype))
