@@ -222,40 +222,52 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
 
     `source` is a weight source (see the top of this block) and `tensors` its `source.tensors`, the inputs autograd
     connects this node to. With keep_stacked False, a stacked weight that is not one of those tensors is rebuilt in
-    backward instead of being kept alive between forward and backward (lower peak memory).
+    backward instead of being kept alive between forward and backward (lower peak memory). `gather` is None when x
+    holds the rows, or (order, top_k, dtype, kernels) for the first GEMM: the rows are x[order[i] // top_k] in
+    `dtype`, gathered here and again in backward for the weight gradient, so that x (which the router keeps anyway)
+    is kept instead of them (TK x hidden), and x's gradient sums each token's row gradients.
     """
 
     @staticmethod
-    def forward(ctx, x, offsets, kernel, keep_stacked, source, *tensors):
-        stacked = source.stacked(x.dtype)
+    def forward(ctx, x, offsets, kernel, keep_stacked, gather, source, *tensors):
+        order, ctx.top_k, ctx.dtype, ctx.kernels = gather or (None, 1, x.dtype, None)
+        stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
-        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
-        return _moe_rewrite_gmm(kernel, x, stacked, offsets, "fwd")
+        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), order)
+        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, order), stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, stacked = ctx.saved_tensors
+        x, offsets, stacked, order = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
             if stacked is None:
-                stacked = ctx.source.stacked(x.dtype)
+                stacked = ctx.source.stacked(ctx.dtype)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
             del stacked  # a rebuilt copy is freed before the weight gradients are allocated
-        tensor_grads = ctx.needs_input_grad[5:]  # after x, offsets, kernel, keep_stacked, source
+            if order is not None:
+                grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_x, order, ctx.top_k, x.dtype)
+        tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, x, offsets, "wgrad"))
-        return (grad_x, None, None, None, None, *grads)
+            rows = _moe_rewrite_rows(ctx, x, order)
+            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
+        return (grad_x, None, None, None, None, None, *grads)
 
 
-def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source):
-    return _MoeRewriteGroupedLinear.apply(x, offsets, kernel, keep_stacked, source, *source.tensors)
+def _moe_rewrite_rows(ctx, x, order):
+    """The grouped linear's input rows: x itself, or x gathered by `order` in the compute dtype."""
+    return x if order is None else x.index_select(0, order // ctx.top_k).to(ctx.dtype)
+
+
+def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
+    return _MoeRewriteGroupedLinear.apply(x, offsets, kernel, keep_stacked, gather, source, *source.tensors)
 
 
 class _MoeRewriteGather(torch.autograd.Function):
     """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert (for adapters on gate_up,
-    which read the rows too; without them the gather is part of _MoeRewriteGatheredLinear).
+    which read the rows too; without them the first grouped linear gathers them itself).
 
     Backward sums each token's top_k row gradients (_moe_rewrite_token_sums).
     """
@@ -270,40 +282,6 @@ class _MoeRewriteGather(torch.autograd.Function):
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         return _moe_rewrite_token_sums(ctx.kernels, grad, order, ctx.top_k, grad.dtype), None, None, None
-
-
-class _MoeRewriteGatheredLinear(torch.autograd.Function):
-    """The first grouped GEMM on the gathered rows: x[order[i] // top_k] in `dtype` times its expert's weight, keeping
-    x (which the router keeps anyway) instead of the rows (TK x hidden). Backward gathers the rows again for the weight
-    gradient and frees them before the input gradient (the rows' gradients summed per token) is allocated, so that
-    they are never alive together with both weight gradients. `source` is a weight source, as in
-    _MoeRewriteGroupedLinear."""
-
-    @staticmethod
-    def forward(ctx, x, order, offsets, top_k, dtype, kernel, keep_stacked, kernels, source, *tensors):
-        stacked = source.stacked(dtype)
-        ctx.top_k, ctx.dtype, ctx.kernel, ctx.kernels, ctx.source = top_k, dtype, kernel, kernels, source
-        ctx.save_for_backward(x, order, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
-        return _moe_rewrite_gmm(kernel, x.index_select(0, order // top_k).to(dtype), stacked, offsets, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, order, offsets, stacked = ctx.saved_tensors
-        grad = grad.contiguous()
-        tensor_grads = ctx.needs_input_grad[9:]  # after x, order, offsets, top_k, dtype, kernel, keep, kernels, source
-        grads = (None,) * len(tensor_grads)
-        if any(tensor_grads):
-            rows = x.index_select(0, order // ctx.top_k).to(ctx.dtype)
-            grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
-            rows = None
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            if stacked is None:
-                stacked = ctx.source.stacked(ctx.dtype)
-            grad_rows = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
-            stacked = None
-            grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_rows, order, ctx.top_k, x.dtype)
-        return (grad_x, *(None,) * 8, *grads)
 
 
 def _moe_rewrite_token_sums(kernels, grad_rows, order, top_k, dtype):
@@ -466,8 +444,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
     if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
-        inputs = (x, order, offsets, top_k, dtype, kernel, keep, kernels, gate_up_w, *gate_up_w.tensors)
-        gate_up = _MoeRewriteGatheredLinear.apply(*inputs)
+        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(order, top_k, dtype, kernels))
     else:  # the adapters read the gathered rows too
         rows = _MoeRewriteGather.apply(x, order, top_k, kernels).to(dtype)
         gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)

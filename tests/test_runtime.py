@@ -179,8 +179,8 @@ def test_gathered_linear_passes_gradcheck(keep_stacked, compute):
 
     def node(x, weight):
         source = grouped_gemm._MoeRewriteExpertWeight(weight)
-        inputs = (x, order, offsets, k, compute, "sorted", keep_stacked, None, source, weight)
-        return grouped_gemm._MoeRewriteGatheredLinear.apply(*inputs)
+        gather = (order, k, compute, None)
+        return grouped_gemm._moe_rewrite_linear(x, offsets, "sorted", keep_stacked, source, gather=gather)
 
     if compute == torch.float64:
         assert torch.autograd.gradcheck(node, (x, weight))
