@@ -131,7 +131,10 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--profile-host", action="store_true", help="print where moe-rewrite-lora's host time goes")
+    parser.add_argument("--code", default=str(b.ROOT), help="moe-rewrite checkout to measure (another commit's tree)")
+    parser.add_argument("--label", default="h200-lora", help="name of the JSON written into --out")
     args = parser.parse_args()
+    b.CODE = Path(args.code).resolve()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -241,7 +244,7 @@ def main():
         notes=notes,
         rows=rows,
     )
-    (out_dir / "h200-lora.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{args.label}.json").write_text(json.dumps(result, indent=1) + "\n")
     header = f"{'config':10} {'impl':30} {'ms':>8} {'host ms':>8} {'peak GB':>8} {'rel err':>9}"
     print(f"\n{header} {'vs loop':>8} {'vs peft':>8}")
     for r in rows:

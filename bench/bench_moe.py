@@ -519,7 +519,9 @@ def safe_name(impl):
 
 
 def profile(fn, data, moe, peer, path):
-    from torch.profiler import ProfilerActivity
+    """A kernel-time table over 3 steps, each timed as run_impl times it (synchronized before and after), headed by
+    where each step's GPU time goes: kernels busy, and the idle gaps between them (launch waits, host syncs)."""
+    from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     x, ids, w, g = data[0]
@@ -528,10 +530,43 @@ def profile(fn, data, moe, peer, path):
         clear_grads(moe, peer)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            fn(x.detach().requires_grad_(True), ids, w).backward(g)
+            torch.cuda.synchronize()
+            with record_function("bench_step"):
+                fn(x.detach().requires_grad_(True), ids, w).backward(g)
+                torch.cuda.synchronize()
             clear_grads(moe, peer)
-        torch.cuda.synchronize()
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    path.write_text(timeline(json.loads(trace.read_text())) + "\n\n" + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=30))
+
+
+def timeline(trace):
+    """Per profiled step (a bench_step range on the host): its span from the step's start to its last GPU event, the
+    time some kernel, copy or memset ran, and the longest idle gaps with the kernel that ended each wait."""
+    events = trace["traceEvents"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "bench_step" and "dur" in e)
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    lines = []
+    for i, (start, end) in enumerate(steps):
+        mine = [ev for ev in gpu if start <= ev[0] <= end]
+        busy, gaps, cursor = 0.0, [], start
+        for ev_start, ev_end, name in mine:
+            if ev_start > cursor:
+                gaps.append((ev_start - cursor, name))
+            busy += max(0.0, ev_end - max(ev_start, cursor))
+            cursor = max(cursor, ev_end)
+        gaps.sort(reverse=True)
+        top = ", ".join(f"{gap:.0f} us before {name[:60]}" for gap, name in gaps[:6])
+        lines.append(
+            f"step {i}: span {(cursor - start) / 1e3:.3f} ms, GPU busy {busy / 1e3:.3f} ms, idle "
+            f"{sum(gap for gap, _ in gaps) / 1e3:.3f} ms in {len(gaps)} gaps; longest: {top}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
