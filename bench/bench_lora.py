@@ -198,7 +198,7 @@ def main():
                 b.set_backend(modeling, {"MOE_REWRITE_BACKEND": backend})
             warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
             t0 = time.time()
-            ms, host_ms, peak, y, x = b.run_impl(fn, data, module, None, warm, reps)
+            ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, module, None, warm, reps)
             grads = lora_grads(module)
             if not ref:
                 ref.update(y=y, x=x.grad, grads=grads)
@@ -222,6 +222,7 @@ def main():
                     host_ms=round(host_ms, 3),
                     tflops_base=round(flops / (ms / 1e3) / 1e12, 1),
                     peak_gb=round(peak, 2),
+                    kept_gb=round(kept, 3),
                     max_rel_err=float(f"{err:.2e}"),
                 )
             )

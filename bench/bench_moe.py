@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -114,7 +115,10 @@ def naive_loop(moe, x, ids, w):
 
 
 def moe_rewrite(moe, x, ids, w):
-    # What the patched forward does in training: moe_train, then the cast back to the activations' dtype.
+    """What the patched forward runs in training: moe_train returning the activations' dtype (before 0.3.x's
+    out_dtype, moe_train's promoted result cast back)."""
+    if "out_dtype" in inspect.signature(moe.moe_train).parameters:
+        return moe.moe_train(x, ids, w, out_dtype=x.dtype)
     return moe.moe_train(x, ids, w).type(x.dtype)
 
 
@@ -537,8 +541,11 @@ def profile(fn, data, moe, peer, path):
             clear_grads(moe, peer)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
-    path.write_text(timeline(json.loads(trace.read_text())) + "\n\n" + prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=30))
+    path.write_text(
+        timeline(json.loads(trace.read_text()))
+        + "\n\n"
+        + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    )
 
 
 def timeline(trace):

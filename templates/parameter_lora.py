@@ -127,4 +127,4 @@ class MoE:
         if hasattr(type(self.experts), "__getitem__"):
             return self.moe_infer(x, topk_ids, topk_weight)
         with torch.no_grad():
-            return self.moe_train(x, topk_ids, topk_weight).type(x.dtype)
+            return self.moe_train(x, topk_ids, topk_weight, out_dtype=x.dtype)

@@ -146,7 +146,8 @@ def test_v3_only_the_assert_is_removed_and_eval_goes_through_moe_rewrite_infer()
     result = rewrite_source(text)
     assert result.form == "v3" and result.moe_class == "DeepseekV3MoE" and result.gate_class == "MoEGate"
     assert _removed_lines(text, result.text) == ["assert not self.training", EVAL_V3]
-    assert "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight)" in result.text
+    training = "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype)"
+    assert training in result.text  # moe_infer returns the tokens' dtype, and so does training
 
 
 def test_v3_reformatted_keeps_comments_and_names():
@@ -156,7 +157,7 @@ def test_v3_reformatted_keeps_comments_and_names():
     assert _removed_lines(text, result.text)[0] == "assert (not self.training)"
     assert len(_removed_lines(text, result.text)) == 2  # and the eval call, now through moe_rewrite_infer
     assert "# Inference only in the original release." in result.text
-    assert "self.moe_train(x, ids, weights)" in result.text
+    assert "self.moe_train(x, ids, weights, out_dtype=x.dtype)" in result.text
     assert "# sorted experts" in result.text
 
 

@@ -89,6 +89,48 @@ def test_moe_train_equals_the_per_expert_reference_with_gradients(layout, tokens
         assert torch.count_nonzero(grads[2][-2:]) == 0 and torch.count_nonzero(grads[3][-2:]) == 0
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
+def test_out_dtype_is_the_promoted_result_cast_once(layout, weights_dtype):
+    """moe_train(..., out_dtype=x.dtype), as the V3 form's training branch calls it, gives what the promoted result
+    cast to x's dtype gives, forward and every gradient (bf16 tokens; the routing weights fp32 as DeepSeek's gate
+    returns them, or bf16)."""
+    moe = tiny_moe(layout).to(torch.bfloat16)
+    torch.manual_seed(3)
+    x = torch.randn(9, 8, dtype=torch.bfloat16, requires_grad=True)
+    ids, w = routing(9, 6, 2)
+    w = w.to(weights_dtype).requires_grad_(True)
+    leaves = [x, w, *expert_params(moe)]
+    results = []
+    for out_dtype in (None, torch.bfloat16):
+        for leaf in leaves:
+            leaf.grad = None
+        y = moe.moe_train(x, ids, w, out_dtype=out_dtype)
+        assert y.dtype == (out_dtype or torch.promote_types(torch.bfloat16, weights_dtype))
+        y = y.to(torch.bfloat16)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append([y] + [leaf.grad for leaf in leaves])
+    for cast, direct in zip(*results):
+        assert torch.equal(cast, direct)
+
+
+@pytest.mark.parametrize("experts", [6, 300, 40_000])  # the sort's key: uint8, int16, int32
+def test_route_sorts_the_rows_by_expert_stably(experts):
+    """The routing before the GEMMs: the rows in expert order, each expert's rows in token order (a stable sort),
+    each row's token, the inverse permutation, and the cumulative row counts per expert, empty experts included."""
+    tokens, k = 50, 4
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    ids[::7, 0] = experts - 1  # some experts get many rows, most none
+    offsets, (order, tokens_of_rows, positions) = grouped_gemm._moe_rewrite_route(ids, experts, kernels={})
+    flat = ids.reshape(-1)
+    want = sorted(range(flat.numel()), key=lambda j: (int(flat[j]), j))
+    assert order.tolist() == want
+    assert torch.equal(tokens_of_rows, order // k) and torch.equal(order[positions], torch.arange(flat.numel()))
+    counts = torch.bincount(flat, minlength=experts)
+    assert offsets.dtype == torch.int32 and torch.equal(offsets, counts.cumsum(0).to(torch.int32))
+    assert grouped_gemm._moe_rewrite_route(ids, experts, kernels=None)[1][2] is None  # only the Triton kernels read it
+
+
 @pytest.mark.parametrize("kernel", ["sorted", "torch"])
 def test_grouped_linear_passes_gradcheck(kernel):
     if kernel == "torch" and not hasattr(torch, "_grouped_mm"):
@@ -132,8 +174,10 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     dtype = torch.float64 if kernel == "sorted" else torch.float32  # torch._grouped_mm: bf16 / fp32 only
     tokens, k, inter, hidden = 5, 2, 4, 8
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    order = ids.reshape(-1).argsort(stable=True)
-    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, None)
+    order = route[0]
+    assert torch.equal(order, ids.reshape(-1).argsort(stable=True))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [3, 3, 7, 10]
     gate_up = torch.randn(tokens * k, 2 * inter, dtype=dtype, requires_grad=True)
     weight = torch.rand(tokens, k, dtype=dtype, requires_grad=True)
     down = torch.randn(4, hidden, inter, dtype=dtype, requires_grad=True)
@@ -141,7 +185,7 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     def node(gate_up, weight, down):
         source = grouped_gemm._MoeRewriteExpertWeight(down)
         return grouped_gemm._MoeRewriteExpertOutput.apply(
-            gate_up, weight, order, offsets, kernel, keep_stacked, act, source, down
+            gate_up, weight, route, offsets, kernel, keep_stacked, act, None, source, down
         )
 
     def composed(gate_up, weight, down):  # per row: its expert's down(act(gate) * up), then the weighted sum
@@ -172,14 +216,14 @@ def test_gathered_linear_passes_gradcheck(keep_stacked, compute):
     (through the cast to the compute dtype and back), the weight's, an empty expert's exactly zero."""
     tokens, k, hidden, out = 5, 2, 4, 6
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    order = ids.reshape(-1).argsort(stable=True)
-    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)
+    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, None)
+    order = route[0]
     x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(4, out, hidden, dtype=torch.float64, requires_grad=True)
 
     def node(x, weight):
         source = grouped_gemm._MoeRewriteExpertWeight(weight)
-        gather = (order, k, compute, None)
+        gather = (route, k, compute, None)
         return grouped_gemm._moe_rewrite_linear(x, offsets, "sorted", keep_stacked, source, gather=gather)
 
     if compute == torch.float64:
@@ -254,7 +298,7 @@ def test_sonicmoe_backend_is_refused_where_it_cannot_run_and_gives_way_to_the_gr
     moe.float().experts.act_fn = gelu
     x, w = x.float(), w.float()
     weights = moe.moe_rewrite_expert_weights()
-    y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sonicmoe", torch.float32)
+    y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sonicmoe", torch.float32, None)
     assert torch.allclose(y, reference(moe.experts, x, ids, w), atol=1e-5)
 
 

@@ -119,6 +119,32 @@ def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, ker
         assert torch.count_nonzero(grad[4:]) == 0
 
 
+def test_out_dtype_is_written_straight_from_the_float32_sums(monkeypatch, kernels):
+    """moe_train(..., out_dtype=bf16), as the V3 form's training branch calls it: the un-sort and weighted sum write
+    bf16 from their float32 sums (one rounding, where the promoted result cast afterwards rounds once too), and every
+    gradient equals that of the promoted result cast to bf16."""
+    device, kernels = kernels
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels)
+    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.bfloat16)
+    moe.experts.act_fn = torch.nn.SiLU()
+    x = torch.randn(11, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ids, w = routing(11, 6, 2)
+    ids, w = ids.to(device), w.to(device, torch.float32).requires_grad_(True)
+    leaves = [x, w, *moe.parameters()]
+    probe = torch.randn(11, 24, device=device)
+    cast = moe.moe_train(x, ids, w).to(torch.bfloat16)
+    direct = moe.moe_train(x, ids, w, out_dtype=torch.bfloat16)
+    assert direct.dtype == torch.bfloat16
+    want = torch.autograd.grad((cast.float() * probe).sum(), leaves)
+    got = torch.autograd.grad((direct.float() * probe).sum(), leaves)
+    if device == "cuda":
+        assert torch.equal(direct, cast)
+    else:  # the interpreter rounds float32 to bf16 toward zero (compiled kernels to nearest): within one bf16 step
+        assert torch.allclose(direct.float(), cast.float(), rtol=2**-7, atol=0)
+    for a, b in zip(got, want):  # the same bf16 output gradient reaches the node either way
+        assert torch.equal(a, b)
+
+
 def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     """The choice, decided once per process: CUDA rows in bf16, fp16 or fp32 get the kernels; float64 rows (the
     kernels compute in float32), other devices and MOE_REWRITE_TRITON=0 get None (torch ops). Tensors are stood in for
@@ -162,7 +188,7 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
         monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels if with_kernels else None)
         monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append(1) or swiglu(*a))
         weights = (gate_up_w, down_w, act, adapters)
-        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32)
+        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, None)
         grads = torch.autograd.grad((y * probe).sum(), leaves)
         return bool(ran), [y, *grads]
 

@@ -9,7 +9,7 @@ V3 form (the training output is never defined)::
     if not self.training:
         y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
     else:
-        y = self.moe_train(hidden_states, topk_idx, topk_weight).type(hidden_states.dtype).view(*orig_shape)
+        y = self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype).view(*orig_shape)
 
 V2 form (a Python loop over the experts)::
 
@@ -157,16 +157,26 @@ def _moe_infer_args(stmt: cst.CSTNode) -> list[cst.Arg]:
 
 
 class _ReplaceMoeInfer(cst.CSTTransformer):
-    """self.moe_infer(a, b, c) -> self.moe_train(a, b, c).type(a.dtype), inside one statement (without the eval
-    branch's note)."""
+    """self.moe_infer(a, b, c) -> self.moe_train(a, b, c, out_dtype=a.dtype), inside one statement (without the eval
+    branch's note): moe_infer returns a's dtype, so training does too."""
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not m.matches(original_node, MOE_INFER_CALL):
             return updated_node
         func = cst.ensure_type(updated_node.func, cst.Attribute)
-        train = updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_train")))
         dtype = cst.Attribute(value=updated_node.args[0].value, attr=cst.Name("dtype"))
-        return cst.Call(func=cst.Attribute(value=train, attr=cst.Name("type")), args=[cst.Arg(dtype)])
+        args = [
+            *updated_node.args[:-1],
+            updated_node.args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+        ]
+        out_dtype = cst.Arg(
+            dtype,
+            keyword=cst.Name("out_dtype"),
+            equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+            ),
+        )
+        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_train")), args=[*args, out_dtype])
 
     def leave_TrailingWhitespace(
         self, original_node: cst.TrailingWhitespace, updated_node: cst.TrailingWhitespace

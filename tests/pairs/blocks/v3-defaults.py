@@ -208,22 +208,22 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
     `source` is a weight source (see the top of this block) and `tensors` its `source.tensors`, the inputs autograd
     connects this node to. With keep_stacked False, a stacked weight that is not one of those tensors is rebuilt in
     backward instead of being kept alive between forward and backward (lower peak memory). `gather` is None when x
-    holds the rows, or (order, top_k, dtype, kernels) for the first GEMM: the rows are x[order[i] // top_k] in
-    `dtype`, gathered here and again in backward for the weight gradient, so that x (which the router keeps anyway)
-    is kept instead of them (TK x hidden), and x's gradient sums each token's row gradients.
+    holds the rows, or (route, top_k, dtype, kernels) for the first GEMM (route: see _moe_rewrite_route): the rows
+    are x[tokens] in `dtype`, gathered here and again in backward for the weight gradient, so that x (which the
+    router keeps anyway) is kept instead of them (TK x hidden), and x's gradient sums each token's row gradients.
     """
 
     @staticmethod
     def forward(ctx, x, offsets, kernel, keep_stacked, gather, source, *tensors):
-        order, ctx.top_k, ctx.dtype, ctx.kernels = gather or (None, 1, x.dtype, None)
+        route, ctx.top_k, ctx.dtype, ctx.kernels = gather or ((None, None, None), 1, x.dtype, None)
         stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
-        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), order)
-        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, order), stacked, offsets, "fwd")
+        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *route)
+        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route[1]), stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, stacked, order = ctx.saved_tensors
+        x, offsets, stacked, *route = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -231,19 +231,19 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
                 stacked = ctx.source.stacked(ctx.dtype)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
             del stacked  # a rebuilt copy is freed before the weight gradients are allocated
-            if order is not None:
-                grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_x, order, ctx.top_k, x.dtype)
+            if route[0] is not None:
+                grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_x, route, ctx.top_k, x.dtype)
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            rows = _moe_rewrite_rows(ctx, x, order)
+            rows = _moe_rewrite_rows(ctx, x, route[1])
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
 
-def _moe_rewrite_rows(ctx, x, order):
-    """The grouped linear's input rows: x itself, or x gathered by `order` in the compute dtype."""
-    return x if order is None else x.index_select(0, order // ctx.top_k).to(ctx.dtype)
+def _moe_rewrite_rows(ctx, x, tokens):
+    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype."""
+    return x if tokens is None else x.index_select(0, tokens).to(ctx.dtype)
 
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
@@ -251,30 +251,47 @@ def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
 
 
 class _MoeRewriteGather(torch.autograd.Function):
-    """rows[i] = x[order[i] // top_k]: each token once per selected expert, sorted by expert (for adapters on gate_up,
-    which read the rows too; without them the first grouped linear gathers them itself).
+    """rows[i] = x[tokens[i]]: each token once per selected expert, sorted by expert (for adapters on gate_up, which
+    read the rows too; without them the first grouped linear gathers them itself).
 
     Backward sums each token's top_k row gradients (_moe_rewrite_token_sums).
     """
 
     @staticmethod
-    def forward(ctx, x, order, top_k, kernels):
-        ctx.save_for_backward(order)
+    def forward(ctx, x, route, top_k, kernels):
+        ctx.save_for_backward(*route)
         ctx.top_k, ctx.kernels = top_k, kernels
-        return x.index_select(0, order // top_k)
+        return x.index_select(0, route[1])
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return _moe_rewrite_token_sums(ctx.kernels, grad, order, ctx.top_k, grad.dtype), None, None, None
+        route = ctx.saved_tensors
+        return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_token_sums(kernels, grad_rows, order, top_k, dtype):
+def _moe_rewrite_route(topk_ids, num_experts, kernels):
+    """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
+    cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
+    (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
+    tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
+    permutation, which the Triton kernels read; None without them)."""
+    flat_ids = topk_ids.reshape(-1)
+    # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
+    key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+    sorted_ids, order = flat_ids.to(key).sort(stable=True)
+    experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    positions = None if kernels is None else _moe_rewrite_positions(order)
+    return offsets, (order, order // topk_ids.shape[1], positions)
+
+
+def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
     """Each token's top_k row gradients (rows in expert order) summed in `dtype` (accumulated in float32 for bf16 and
     fp16): un-sorted by a permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton
     kernels, or None)."""
+    order, _, positions = route
     if kernels is not None:
-        return _moe_rewrite_sum_rows(kernels, grad_rows, _moe_rewrite_positions(order), top_k, dtype=dtype)
+        return _moe_rewrite_sum_rows(kernels, grad_rows, positions, top_k, dtype=dtype)
     unsorted = torch.empty_like(grad_rows, dtype=dtype).index_copy_(0, order, grad_rows.to(dtype))
     return unsorted.view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
 
@@ -301,12 +318,14 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     gradients, and takes each routing weight's gradient as that GEMM's output dotted with the recomputed row
     (<dy, h W^T> = <dy W, h>), so neither the activation, the product nor the expert outputs are kept: about
     TK * (2 * intermediate + hidden) elements less per layer than autograd over the composed ops.
-    `gate_up` holds each row's gate then up projection; `order` sorts the (token, slot) rows by expert. For SiLU where
-    the Triton kernels run, SwiGLU, the un-sort and weighted sum, and backward's elementwise work are one pass each.
+    `gate_up` holds each row's gate then up projection in expert order (`route`: see _moe_rewrite_route); the result
+    is in `out_dtype`, or the promoted dtype of the outputs and routing weights when it is None (the sum is
+    accumulated in float32 either way and rounded once). For SiLU where the Triton kernels run, SwiGLU, the un-sort
+    and weighted sum, and backward's elementwise work are one pass each.
     """
 
     @staticmethod
-    def forward(ctx, gate_up, topk_weight, order, offsets, kernel, keep_stacked, act_fn, source, *tensors):
+    def forward(ctx, gate_up, topk_weight, route, offsets, kernel, keep_stacked, act_fn, out_dtype, source, *tensors):
         stacked = source.stacked(gate_up.dtype)
         kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
         if kernels is not None:
@@ -316,22 +335,24 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             hidden = act_fn(gate) * up
         out = _moe_rewrite_gmm(kernel, hidden, stacked, offsets, "fwd")
         ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
-        ctx.save_for_backward(gate_up, topk_weight, order, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors))
+        order, tokens, positions = route
+        kept = _moe_rewrite_kept(stacked, keep_stacked, tensors)
+        ctx.save_for_backward(gate_up, topk_weight, order, tokens, offsets, kept)
+        dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
-            dtype = torch.promote_types(out.dtype, topk_weight.dtype)
-            positions = _moe_rewrite_positions(order)
+            positions = _moe_rewrite_positions(order) if positions is None else positions
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
         out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
-        return _moe_rewrite_combine(out, topk_weight)
+        return _moe_rewrite_combine(out, topk_weight).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        gate_up, topk_weight, order, offsets, stacked = ctx.saved_tensors
+        gate_up, topk_weight, order, tokens, offsets, stacked = ctx.saved_tensors
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
-        grad_rows = grad.to(gate_up.dtype).index_select(0, order // topk_weight.shape[1])
+        grad_rows = grad.to(gate_up.dtype).index_select(0, tokens)
         row_weight = topk_weight.reshape(-1)[order]
-        tensor_grads = ctx.needs_input_grad[8:]  # after gate_up, ..., act_fn, source
+        tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
         if kernels is not None:
             # SiLU in Triton: the down dgrad, then one pass over the rows for the gate/up gradients, the routing
@@ -345,7 +366,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             )
             if any(tensor_grads):
                 grads = ctx.source.grads(lambda: _moe_rewrite_gmm(kernel, grad_rows, grad_hidden, offsets, "wgrad"))
-            return (grad_gate_up, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), *(None,) * 6, *grads)
+            return (grad_gate_up, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), *(None,) * 7, *grads)
         # any activation as torch ops: recompute act_fn(gate) * up, the down wgrad, dgrad, then gate/up's gradients
         row_weight = row_weight.unsqueeze(-1)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -368,7 +389,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         grad_weight = _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight)
         hidden = per_row = None
         if not ctx.needs_input_grad[0]:
-            return (None, grad_weight, *(None,) * 6, *grads)
+            return (None, grad_weight, *(None,) * 7, *grads)
         grad_hidden = torch.mul(grad_hidden, row_weight, out=grad_hidden)
         # the gate and up gradients written into one buffer (no concatenation)
         grad_gate_up = torch.empty_like(gate_up)
@@ -378,7 +399,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(grad_hidden * up, gate, grad_input=grad_gate)
         else:
             grad_gate.copy_(torch.autograd.grad(act_graph, gate_in, grad_hidden * up)[0])
-        return (grad_gate_up, grad_weight, *(None,) * 6, *grads)
+        return (grad_gate_up, grad_weight, *(None,) * 7, *grads)
 
 
 class _MoeRewriteSwiGLU(torch.autograd.Function):
@@ -406,7 +427,7 @@ def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     return torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape).to(topk_weight.dtype)
 
 
-def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype):
+def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype, out_dtype):
     """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
     sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
     adapters: {name: ((A, B, scaling, dropout), ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py) or
@@ -414,24 +435,19 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     if kernel == "sonicmoe":
         out = _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype)
         if out is not None:
-            return out
+            return out.to(out_dtype or out.dtype)
         kernel = "torch"
     gate_up_w, down_w, act_fn, adapters = weights
-    flat_ids = topk_ids.reshape(-1)
-    # A stable sort keeps each expert's rows in token order, so results do not depend on the sort's tie-breaking.
-    order = flat_ids.argsort(stable=True)
-    # Cumulative row counts per expert, computed on the device: no host sync.
-    experts = torch.arange(num_experts, device=flat_ids.device)
-    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
     top_k, kernels = topk_ids.shape[1], _moe_rewrite_triton(x)
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, kernels)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
     if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
-        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(order, top_k, dtype, kernels))
+        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(route, top_k, dtype, kernels))
     else:  # the adapters read the gathered rows too
-        rows = _MoeRewriteGather.apply(x, order, top_k, kernels).to(dtype)
+        rows = _MoeRewriteGather.apply(x, route, top_k, kernels).to(dtype)
         gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
         gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
     if adapters.get("gate_proj") or adapters.get("up_proj"):
@@ -441,7 +457,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
         gate_up = torch.cat([gate, up], dim=-1)
     if not adapters.get("down_proj"):
         return _MoeRewriteExpertOutput.apply(
-            gate_up, topk_weight, order, offsets, kernel, keep, act_fn, down_w, *down_w.tensors
+            gate_up, topk_weight, route, offsets, kernel, keep, act_fn, out_dtype, down_w, *down_w.tensors
         )
     kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
     if kernels is not None:
@@ -452,8 +468,9 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
-    out = torch.empty_like(out).index_copy(0, order, out)
-    return _moe_rewrite_combine(out, topk_weight)
+    out = torch.empty_like(out).index_copy(0, route[0], out)
+    out = _moe_rewrite_combine(out, topk_weight)
+    return out.to(out_dtype or out.dtype)
 
 
 def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, loras):
@@ -1307,12 +1324,13 @@ def moe_rewrite_weights(self, wrappers=()):
 # ---- in class DeepseekV3MoE:
 
 # moe-rewrite: generated method, regenerated on every run
-def moe_train(self, x, topk_ids, topk_weight):
+def moe_train(self, x, topk_ids, topk_weight, out_dtype=None):
     """Routed experts in training mode (helpers: the moe-rewrite block above this class).
 
         x: (tokens, hidden); topk_ids, topk_weight: (tokens, top_k). Returns the weighted sum of each token's expert
-        outputs in the promoted dtype of x and topk_weight, exactly what a loop over the experts computes, with
-        autograd.
+        outputs, exactly what a loop over the experts computes, with autograd: in the promoted dtype of x and
+        topk_weight, or cast to `out_dtype` (the V3 form's training branch asks for x's dtype, as moe_infer returns
+        it; the grouped path then writes that dtype straight from its float32 sums, with the same one rounding).
         The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
         """
     if self.ep_size > 1:
@@ -1320,12 +1338,14 @@ def moe_train(self, x, topk_ids, topk_weight):
     dtype = _moe_rewrite_compute_dtype(x)
     kernel = _moe_rewrite_kernel(x.device, dtype)
     weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
-    if weights is None:
-        if isinstance(self.experts, torch.nn.ModuleList):
-            return _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
-        # fused experts, or PEFT's wrappers around them: their own forward (a loop over the experts)
-        return self.experts(x, topk_ids, topk_weight)
-    return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, weights[0].shape[0], kernel, dtype)
+    if weights is not None:
+        experts = weights[0].shape[0]
+        return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, experts, kernel, dtype, out_dtype)
+    if isinstance(self.experts, torch.nn.ModuleList):
+        y = _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
+    else:  # fused experts, or PEFT's wrappers around them: their own forward (a loop over the experts)
+        y = self.experts(x, topk_ids, topk_weight)
+    return y.to(out_dtype or y.dtype)
 
 # ---- in class DeepseekV3MoE:
 
@@ -1337,7 +1357,7 @@ def moe_rewrite_infer(self, x, topk_ids, topk_weight):
     if hasattr(type(self.experts), "__getitem__"):
         return self.moe_infer(x, topk_ids, topk_weight)
     with torch.no_grad():
-        return self.moe_train(x, topk_ids, topk_weight).type(x.dtype)
+        return self.moe_train(x, topk_ids, topk_weight, out_dtype=x.dtype)
 
 # ---- in class DeepseekV3MoE:
 
