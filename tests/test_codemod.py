@@ -146,7 +146,9 @@ def test_v3_only_the_assert_is_removed_and_eval_goes_through_moe_rewrite_infer()
     result = rewrite_source(text)
     assert result.form == "v3" and result.moe_class == "DeepseekV3MoE" and result.gate_class == "MoEGate"
     assert _removed_lines(text, result.text) == ["assert not self.training", EVAL_V3]
-    training = "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype)"
+    training = (
+        "else:\n            y = self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype)"
+    )
     assert training in result.text  # moe_infer returns the tokens' dtype, and so does training
 
 
