@@ -125,13 +125,14 @@ def test_out_dtype_is_written_straight_from_the_float32_sums(monkeypatch, kernel
     gradient equals that of the promoted result cast to bf16."""
     device, kernels = kernels
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels)
-    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.bfloat16)
+    # bf16 on a GPU runs torch._grouped_mm, whose rows need 16-byte strides: 32 and 24 columns
+    moe = tiny_moe("fused", hidden=32, inter=24).to(device, torch.bfloat16)
     moe.experts.act_fn = torch.nn.SiLU()
-    x = torch.randn(11, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(11, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
     ids, w = routing(11, 6, 2)
     ids, w = ids.to(device), w.to(device, torch.float32).requires_grad_(True)
     leaves = [x, w, *moe.parameters()]
-    probe = torch.randn(11, 24, device=device)
+    probe = torch.randn(11, 32, device=device)
     cast = moe.moe_train(x, ids, w).to(torch.bfloat16)
     direct = moe.moe_train(x, ids, w, out_dtype=torch.bfloat16)
     assert direct.dtype == torch.bfloat16
