@@ -115,11 +115,16 @@ def naive_loop(moe, x, ids, w):
 
 
 def moe_rewrite(moe, x, ids, w):
-    """What the patched forward runs in training: moe_train returning the activations' dtype (before 0.3.x's
-    out_dtype, moe_train's promoted result cast back)."""
-    if "out_dtype" in inspect.signature(moe.moe_train).parameters:
+    """What the patched forward runs in training: moe_train returning the activations' dtype (before out_dtype,
+    moe_train's promoted result cast back)."""
+    if takes_out_dtype(type(moe).moe_train):
         return moe.moe_train(x, ids, w, out_dtype=x.dtype)
     return moe.moe_train(x, ids, w).type(x.dtype)
+
+
+@functools.cache
+def takes_out_dtype(moe_train):
+    return "out_dtype" in inspect.signature(moe_train).parameters
 
 
 def build_peer(cfg, moe):
@@ -552,7 +557,11 @@ def timeline(trace):
     """Per profiled step (a bench_step range on the host): its span from the step's start to its last GPU event, the
     time some kernel, copy or memset ran, and the longest idle gaps with the kernel that ended each wait."""
     events = trace["traceEvents"]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "bench_step" and "dur" in e)
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("name") == "bench_step" and e.get("cat") != "gpu_user_annotation" and "dur" in e
+    )
     gpu = sorted(
         (e["ts"], e["ts"] + e["dur"], e["name"])
         for e in events
