@@ -12,6 +12,7 @@ import torch
 from .triton_kernels import (
     _moe_rewrite_build_triton,
     _moe_rewrite_sum_rows,
+    _moe_rewrite_sum_rows_backward,
     _moe_rewrite_swiglu,
     _moe_rewrite_swiglu_backward,
 )
@@ -435,6 +436,29 @@ class _MoeRewriteSwiGLU(torch.autograd.Function):
         return grad_gate_up, None
 
 
+class _MoeRewriteCombine(torch.autograd.Function):
+    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels, keeping
+    the rows: for adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum
+    accumulates in float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None;
+    backward is one pass over the rows (each row's gradient and its routing weight's <dy, row>)."""
+
+    @staticmethod
+    def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
+        order, tokens, positions = route
+        positions = _moe_rewrite_positions(order) if positions is None else positions
+        ctx.save_for_backward(rows, topk_weight, order, tokens)
+        ctx.kernels = kernels
+        dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
+        return _moe_rewrite_sum_rows(kernels, rows, positions, topk_weight.shape[1], topk_weight, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, topk_weight, order, tokens = ctx.saved_tensors
+        row_weight = topk_weight.reshape(-1)[order]
+        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight)
+        return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
+
+
 def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
@@ -482,6 +506,9 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
         hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
+    kernels = _moe_rewrite_triton(out)
+    if kernels is not None:
+        return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, route[0], out)
     out = _moe_rewrite_combine(out, topk_weight)

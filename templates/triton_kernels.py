@@ -1,7 +1,7 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
-one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, and the
-un-sort plus weighted sum of each token's top-k expert rows. The core uses them where `_moe_rewrite_triton(rows)`
-(grouped_gemm.py) returns them, and runs the same arithmetic as torch ops everywhere else.
+one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the
+un-sort plus weighted sum of each token's top-k expert rows, and that sum's backward. The core uses them where
+`_moe_rewrite_triton(rows)` (grouped_gemm.py) returns them, and runs the same arithmetic as torch ops everywhere else.
 """
 
 import torch
@@ -40,9 +40,10 @@ def _moe_rewrite_build_triton():
         for start in range(0, inter, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < inter
-            gate = tl.load(gate_up + row * 2 * inter + cols, mask=mask).to(tl.float32)
-            up = tl.load(gate_up + row * 2 * inter + inter + cols, mask=mask).to(tl.float32)
-            grad = tl.load(grad_h + row * inter + cols, mask=mask).to(tl.float32)
+            # masked-off columns load zeros: they enter the dot product
+            gate = tl.load(gate_up + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_up + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.load(grad_h + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
             act = gate * sig
             dot += grad * act * up
@@ -71,7 +72,29 @@ def _moe_rewrite_build_triton():
             total += value
         tl.store(out + token * hidden + cols, total.to(out.dtype.element_ty), mask=mask)
 
-    return {"swiglu": swiglu, "swiglu_backward": swiglu_backward, "sum_rows": sum_rows}
+    @triton.jit
+    def sum_rows_backward(grad, rows, tokens, row_weight, grad_rows, per_row, hidden, BLOCK: tl.constexpr):
+        """For the i-th row in expert order, of token tokens[i] with routing weight w: grad_rows[i] = w * grad[token]
+        and per_row[i] = <grad[token], rows[i]> (w's gradient). One program a row: no atomics."""
+        row = tl.program_id(0).to(tl.int64)
+        token = tl.load(tokens + row).to(tl.int64)
+        weight = tl.load(row_weight + row).to(tl.float32)
+        dot = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            value = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            token_grad = tl.load(grad + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            dot += token_grad * value
+            tl.store(grad_rows + row * hidden + cols, (token_grad * weight).to(grad_rows.dtype.element_ty), mask=mask)
+        tl.store(per_row + row, tl.sum(dot, axis=0))
+
+    return {
+        "swiglu": swiglu,
+        "swiglu_backward": swiglu_backward,
+        "sum_rows": sum_rows,
+        "sum_rows_backward": sum_rows_backward,
+    }
 
 
 def _moe_rewrite_blocks(columns):
@@ -131,3 +154,24 @@ def _moe_rewrite_sum_rows(kernels, rows, position, top_k, weight=None, dtype=Non
             BLOCK=MOE_REWRITE_TRITON_BLOCK,
         )
     return out
+
+
+def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight):
+    """The backward of the weighted sum over each token's rows (_moe_rewrite_sum_rows with weights) for rows in expert
+    order, the i-th of token tokens[i] with weight row_weight[i]: (grad_rows, per_row), grad_rows[i] =
+    row_weight[i] * grad[tokens[i]] in rows' dtype and per_row[i] = <grad[tokens[i]], rows[i]> in float32."""
+    grad, rows = grad.contiguous(), rows.contiguous()
+    grad_rows = torch.empty_like(rows)
+    per_row = torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
+    if rows.shape[0]:
+        kernels["sum_rows_backward"][(rows.shape[0],)](
+            grad,
+            rows,
+            tokens,
+            row_weight.contiguous(),
+            grad_rows,
+            per_row,
+            rows.shape[1],
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return grad_rows, per_row

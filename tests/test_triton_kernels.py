@@ -83,6 +83,29 @@ def test_sum_rows_unsorts_and_weights_each_tokens_rows(kernels):
         assert torch.allclose(got.float(), want, rtol=2**-7, atol=0)
 
 
+def test_sum_rows_backward_equals_float64(kernels):
+    """The weighted sum's backward for rows in expert order: each row's gradient (its token's gradient times its
+    routing weight, in the rows' dtype) and each routing weight's gradient <dy, row> in float32."""
+    device, kernels = kernels
+    _, _, hidden = sizes(device)
+    tokens, top_k = 7, 3
+    order = torch.randperm(tokens * top_k, device=device)
+    token_of_row = order // top_k
+    rows = torch.randn(tokens * top_k, hidden, device=device)
+    grad = torch.randn(tokens, hidden, device=device)
+    row_weight = torch.rand(tokens * top_k, device=device)
+    grad_rows, per_row = triton_kernels._moe_rewrite_sum_rows_backward(kernels, grad, rows, token_of_row, row_weight)
+    token_grad = grad.double()[token_of_row]
+    assert grad_rows.dtype == torch.float32 and per_row.dtype == torch.float32
+    assert torch.allclose(grad_rows.double(), token_grad * row_weight.double()[:, None], atol=1e-6)
+    assert torch.allclose(per_row.double(), (token_grad * rows.double()).sum(-1), atol=1e-4)
+    grad_rows, _ = triton_kernels._moe_rewrite_sum_rows_backward(
+        kernels, grad.bfloat16(), rows.bfloat16(), token_of_row, row_weight
+    )
+    want = grad.bfloat16().double()[token_of_row] * row_weight.double()[:, None]
+    assert grad_rows.dtype == torch.bfloat16 and torch.allclose(grad_rows.double(), want, rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, kernels, tokens):
     """The core in float32 with the kernels on against the per-expert float64 reference."""
@@ -157,7 +180,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
     kernels = grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16))
-    assert sorted(kernels) == ["sum_rows", "swiglu", "swiglu_backward"]
+    assert sorted(kernels) == ["sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
     assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float32)) is kernels  # built once
     assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float64)) is None
     assert grouped_gemm._moe_rewrite_triton(rows("cpu", torch.bfloat16)) is None
@@ -165,10 +188,11 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16)) is None
 
 
-def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch, kernels):
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["promoted", "bf16-out"])
+def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch, kernels, out_dtype):
     """With LoRA on the down projection the core composes SwiGLU, the down GEMMs and the combine: the SwiGLU kernels
-    (an autograd Function of their own) against the same path as torch ops, outputs and every gradient, adapters'
-    included."""
+    and the weighted un-sort (autograd Functions of their own) against the same path as torch ops, outputs and every
+    gradient, adapters' and routing weights' included."""
     device, kernels = kernels
     moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
     moe.experts.act_fn = torch.nn.SiLU()
@@ -185,16 +209,20 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
 
     def run(with_kernels):
         ran = []
-        swiglu = grouped_gemm._MoeRewriteSwiGLU.apply
+        swiglu, combine = grouped_gemm._MoeRewriteSwiGLU.apply, grouped_gemm._MoeRewriteCombine.apply
         monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels if with_kernels else None)
-        monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append(1) or swiglu(*a))
+        monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append("swiglu") or swiglu(*a))
+        monkeypatch.setattr(grouped_gemm._MoeRewriteCombine, "apply", lambda *a: ran.append("combine") or combine(*a))
         weights = (gate_up_w, down_w, act, adapters)
-        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, None)
-        grads = torch.autograd.grad((y * probe).sum(), leaves)
-        return bool(ran), [y, *grads]
+        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, out_dtype)
+        grads = torch.autograd.grad((y.float() * probe).sum(), leaves)
+        return ran, [y, *grads]
 
     ran, got = run(True)
     ran_without, want = run(False)
-    assert ran and not ran_without
-    for a, b in zip(got, want):
+    assert ran == ["swiglu", "combine"] and not ran_without
+    assert got[0].dtype == want[0].dtype == (out_dtype or torch.float32)
+    # bf16 out: the kernel rounds the float32 sum once, as the cast does (toward zero in the CPU's interpreter)
+    assert torch.allclose(got[0].float(), want[0].float(), atol=1e-4, rtol=1e-4 if out_dtype is None else 2**-7)
+    for a, b in zip(got[1:], want[1:]):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)

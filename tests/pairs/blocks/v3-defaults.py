@@ -420,6 +420,29 @@ class _MoeRewriteSwiGLU(torch.autograd.Function):
         return grad_gate_up, None
 
 
+class _MoeRewriteCombine(torch.autograd.Function):
+    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels, keeping
+    the rows: for adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum
+    accumulates in float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None;
+    backward is one pass over the rows (each row's gradient and its routing weight's <dy, row>)."""
+
+    @staticmethod
+    def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
+        order, tokens, positions = route
+        positions = _moe_rewrite_positions(order) if positions is None else positions
+        ctx.save_for_backward(rows, topk_weight, order, tokens)
+        ctx.kernels = kernels
+        dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
+        return _moe_rewrite_sum_rows(kernels, rows, positions, topk_weight.shape[1], topk_weight, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, topk_weight, order, tokens = ctx.saved_tensors
+        row_weight = topk_weight.reshape(-1)[order]
+        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight)
+        return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
+
+
 def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
@@ -467,6 +490,9 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
         hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
+    kernels = _moe_rewrite_triton(out)
+    if kernels is not None:
+        return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
     out = torch.empty_like(out).index_copy(0, route[0], out)
     out = _moe_rewrite_combine(out, topk_weight)
@@ -531,9 +557,10 @@ def _moe_rewrite_build_triton():
         for start in range(0, inter, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < inter
-            gate = tl.load(gate_up + row * 2 * inter + cols, mask=mask).to(tl.float32)
-            up = tl.load(gate_up + row * 2 * inter + inter + cols, mask=mask).to(tl.float32)
-            grad = tl.load(grad_h + row * inter + cols, mask=mask).to(tl.float32)
+            # masked-off columns load zeros: they enter the dot product
+            gate = tl.load(gate_up + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_up + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.load(grad_h + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
             act = gate * sig
             dot += grad * act * up
@@ -562,7 +589,29 @@ def _moe_rewrite_build_triton():
             total += value
         tl.store(out + token * hidden + cols, total.to(out.dtype.element_ty), mask=mask)
 
-    return {"swiglu": swiglu, "swiglu_backward": swiglu_backward, "sum_rows": sum_rows}
+    @triton.jit
+    def sum_rows_backward(grad, rows, tokens, row_weight, grad_rows, per_row, hidden, BLOCK: tl.constexpr):
+        """For the i-th row in expert order, of token tokens[i] with routing weight w: grad_rows[i] = w * grad[token]
+        and per_row[i] = <grad[token], rows[i]> (w's gradient). One program a row: no atomics."""
+        row = tl.program_id(0).to(tl.int64)
+        token = tl.load(tokens + row).to(tl.int64)
+        weight = tl.load(row_weight + row).to(tl.float32)
+        dot = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            value = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            token_grad = tl.load(grad + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            dot += token_grad * value
+            tl.store(grad_rows + row * hidden + cols, (token_grad * weight).to(grad_rows.dtype.element_ty), mask=mask)
+        tl.store(per_row + row, tl.sum(dot, axis=0))
+
+    return {
+        "swiglu": swiglu,
+        "swiglu_backward": swiglu_backward,
+        "sum_rows": sum_rows,
+        "sum_rows_backward": sum_rows_backward,
+    }
 
 
 def _moe_rewrite_blocks(columns):
@@ -622,6 +671,27 @@ def _moe_rewrite_sum_rows(kernels, rows, position, top_k, weight=None, dtype=Non
             BLOCK=MOE_REWRITE_TRITON_BLOCK,
         )
     return out
+
+
+def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight):
+    """The backward of the weighted sum over each token's rows (_moe_rewrite_sum_rows with weights) for rows in expert
+    order, the i-th of token tokens[i] with weight row_weight[i]: (grad_rows, per_row), grad_rows[i] =
+    row_weight[i] * grad[tokens[i]] in rows' dtype and per_row[i] = <grad[tokens[i]], rows[i]> in float32."""
+    grad, rows = grad.contiguous(), rows.contiguous()
+    grad_rows = torch.empty_like(rows)
+    per_row = torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
+    if rows.shape[0]:
+        kernels["sum_rows_backward"][(rows.shape[0],)](
+            grad,
+            rows,
+            tokens,
+            row_weight.contiguous(),
+            grad_rows,
+            per_row,
+            rows.shape[1],
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return grad_rows, per_row
 
 
 MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
