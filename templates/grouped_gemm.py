@@ -437,17 +437,18 @@ class _MoeRewriteSwiGLU(torch.autograd.Function):
 
 
 class _MoeRewriteCombine(torch.autograd.Function):
-    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels, keeping
-    the rows: for adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum
-    accumulates in float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None;
-    backward is one pass over the rows (each row's gradient and its routing weight's <dy, row>)."""
+    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels: for
+    adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum accumulates in
+    float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None; backward is one
+    pass over the rows (each row's gradient, and its routing weight's <dy, row>: the rows are kept only when the
+    routing weights need a gradient)."""
 
     @staticmethod
     def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
         order, tokens, positions = route
         positions = _moe_rewrite_positions(order) if positions is None else positions
-        ctx.save_for_backward(rows, topk_weight, order, tokens)
-        ctx.kernels = kernels
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, topk_weight, order, tokens)
+        ctx.kernels, ctx.dtype = kernels, rows.dtype
         dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
         return _moe_rewrite_sum_rows(kernels, rows, positions, topk_weight.shape[1], topk_weight, dtype)
 
@@ -455,7 +456,7 @@ class _MoeRewriteCombine(torch.autograd.Function):
     def backward(ctx, grad):
         rows, topk_weight, order, tokens = ctx.saved_tensors
         row_weight = topk_weight.reshape(-1)[order]
-        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight)
+        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight, ctx.dtype)
         return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
 
 

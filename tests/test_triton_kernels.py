@@ -85,7 +85,8 @@ def test_sum_rows_unsorts_and_weights_each_tokens_rows(kernels):
 
 def test_sum_rows_backward_equals_float64(kernels):
     """The weighted sum's backward for rows in expert order: each row's gradient (its token's gradient times its
-    routing weight, in the rows' dtype) and each routing weight's gradient <dy, row> in float32."""
+    routing weight, in the asked dtype) and each routing weight's gradient <dy, row> in float32, or none without the
+    rows (the weights need no gradient)."""
     device, kernels = kernels
     _, _, hidden = sizes(device)
     tokens, top_k = 7, 3
@@ -94,14 +95,15 @@ def test_sum_rows_backward_equals_float64(kernels):
     rows = torch.randn(tokens * top_k, hidden, device=device)
     grad = torch.randn(tokens, hidden, device=device)
     row_weight = torch.rand(tokens * top_k, device=device)
-    grad_rows, per_row = triton_kernels._moe_rewrite_sum_rows_backward(kernels, grad, rows, token_of_row, row_weight)
+    backward = triton_kernels._moe_rewrite_sum_rows_backward
+    grad_rows, per_row = backward(kernels, grad, rows, token_of_row, row_weight, torch.float32)
     token_grad = grad.double()[token_of_row]
     assert grad_rows.dtype == torch.float32 and per_row.dtype == torch.float32
     assert torch.allclose(grad_rows.double(), token_grad * row_weight.double()[:, None], atol=1e-6)
     assert torch.allclose(per_row.double(), (token_grad * rows.double()).sum(-1), atol=1e-4)
-    grad_rows, _ = triton_kernels._moe_rewrite_sum_rows_backward(
-        kernels, grad.bfloat16(), rows.bfloat16(), token_of_row, row_weight
-    )
+    without_rows, none = backward(kernels, grad, None, token_of_row, row_weight, torch.float32)
+    assert none is None and torch.equal(without_rows, grad_rows)
+    grad_rows, _ = backward(kernels, grad.bfloat16(), None, token_of_row, row_weight, torch.bfloat16)
     want = grad.bfloat16().double()[token_of_row] * row_weight.double()[:, None]
     assert grad_rows.dtype == torch.bfloat16 and torch.allclose(grad_rows.double(), want, rtol=2**-7, atol=0)
 
@@ -188,8 +190,9 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16)) is None
 
 
+@pytest.mark.parametrize("weights_grad", [True, False], ids=["router-trained", "router-frozen"])
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["promoted", "bf16-out"])
-def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch, kernels, out_dtype):
+def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch, kernels, out_dtype, weights_grad):
     """With LoRA on the down projection the core composes SwiGLU, the down GEMMs and the combine: the SwiGLU kernels
     and the weighted un-sort (autograd Functions of their own) against the same path as torch ops, outputs and every
     gradient, adapters' and routing weights' included."""
@@ -204,23 +207,26 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
     x = torch.randn(11, 24, device=device)
     ids, w = routing(11, 6, 2)
     ids, w = ids.to(device), w.to(device, torch.float32)
-    leaves = [x.requires_grad_(True), w.requires_grad_(True), *moe.parameters(), lora_a, lora_b]
+    w.requires_grad_(weights_grad)  # a frozen router (LoRA): the combine keeps no rows for the weights' gradient
+    leaves = [x.requires_grad_(True), *([w] if weights_grad else []), *moe.parameters(), lora_a, lora_b]
     probe = torch.randn(11, 24, device=device)
 
     def run(with_kernels):
-        ran = []
+        ran, saved = [], []
         swiglu, combine = grouped_gemm._MoeRewriteSwiGLU.apply, grouped_gemm._MoeRewriteCombine.apply
         monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels if with_kernels else None)
         monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append("swiglu") or swiglu(*a))
         monkeypatch.setattr(grouped_gemm._MoeRewriteCombine, "apply", lambda *a: ran.append("combine") or combine(*a))
         weights = (gate_up_w, down_w, act, adapters)
-        y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, out_dtype)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, out_dtype)
         grads = torch.autograd.grad((y.float() * probe).sum(), leaves)
-        return ran, [y, *grads]
+        return ran, saved.count((22, 24)), [y, *grads]  # (22, 24): the 11 tokens' 2 expert outputs
 
-    ran, got = run(True)
-    ran_without, want = run(False)
+    ran, kept_rows, got = run(True)
+    ran_without, _, want = run(False)
     assert ran == ["swiglu", "combine"] and not ran_without
+    assert kept_rows == (1 if weights_grad else 0)
     assert got[0].dtype == want[0].dtype == (out_dtype or torch.float32)
     # bf16 out: the kernel rounds the float32 sum once, as the cast does (toward zero in the CPU's interpreter)
     assert torch.allclose(got[0].float(), want[0].float(), atol=1e-4, rtol=1e-4 if out_dtype is None else 2**-7)

@@ -421,17 +421,18 @@ class _MoeRewriteSwiGLU(torch.autograd.Function):
 
 
 class _MoeRewriteCombine(torch.autograd.Function):
-    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels, keeping
-    the rows: for adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum
-    accumulates in float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None;
-    backward is one pass over the rows (each row's gradient and its routing weight's <dy, row>)."""
+    """The un-sort and weighted sum of each token's expert rows (in expert order) through the Triton kernels: for
+    adapters on the down projection (without them _MoeRewriteExpertOutput does this itself). The sum accumulates in
+    float32 and is written in `out_dtype`, or the promoted dtype of rows and weights when it is None; backward is one
+    pass over the rows (each row's gradient, and its routing weight's <dy, row>: the rows are kept only when the
+    routing weights need a gradient)."""
 
     @staticmethod
     def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
         order, tokens, positions = route
         positions = _moe_rewrite_positions(order) if positions is None else positions
-        ctx.save_for_backward(rows, topk_weight, order, tokens)
-        ctx.kernels = kernels
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, topk_weight, order, tokens)
+        ctx.kernels, ctx.dtype = kernels, rows.dtype
         dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
         return _moe_rewrite_sum_rows(kernels, rows, positions, topk_weight.shape[1], topk_weight, dtype)
 
@@ -439,7 +440,7 @@ class _MoeRewriteCombine(torch.autograd.Function):
     def backward(ctx, grad):
         rows, topk_weight, order, tokens = ctx.saved_tensors
         row_weight = topk_weight.reshape(-1)[order]
-        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight)
+        grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight, ctx.dtype)
         return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
 
 
@@ -590,9 +591,11 @@ def _moe_rewrite_build_triton():
         tl.store(out + token * hidden + cols, total.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def sum_rows_backward(grad, rows, tokens, row_weight, grad_rows, per_row, hidden, BLOCK: tl.constexpr):
+    def sum_rows_backward(
+        grad, rows, tokens, row_weight, grad_rows, per_row, hidden, DOT: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """For the i-th row in expert order, of token tokens[i] with routing weight w: grad_rows[i] = w * grad[token]
-        and per_row[i] = <grad[token], rows[i]> (w's gradient). One program a row: no atomics."""
+        and, with DOT, per_row[i] = <grad[token], rows[i]> (w's gradient). One program a row: no atomics."""
         row = tl.program_id(0).to(tl.int64)
         token = tl.load(tokens + row).to(tl.int64)
         weight = tl.load(row_weight + row).to(tl.float32)
@@ -600,11 +603,12 @@ def _moe_rewrite_build_triton():
         for start in range(0, hidden, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < hidden
-            value = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             token_grad = tl.load(grad + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-            dot += token_grad * value
+            if DOT:
+                dot += token_grad * tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(grad_rows + row * hidden + cols, (token_grad * weight).to(grad_rows.dtype.element_ty), mask=mask)
-        tl.store(per_row + row, tl.sum(dot, axis=0))
+        if DOT:
+            tl.store(per_row + row, tl.sum(dot, axis=0))
 
     return {
         "swiglu": swiglu,
@@ -673,22 +677,24 @@ def _moe_rewrite_sum_rows(kernels, rows, position, top_k, weight=None, dtype=Non
     return out
 
 
-def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight):
+def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype):
     """The backward of the weighted sum over each token's rows (_moe_rewrite_sum_rows with weights) for rows in expert
     order, the i-th of token tokens[i] with weight row_weight[i]: (grad_rows, per_row), grad_rows[i] =
-    row_weight[i] * grad[tokens[i]] in rows' dtype and per_row[i] = <grad[tokens[i]], rows[i]> in float32."""
-    grad, rows = grad.contiguous(), rows.contiguous()
-    grad_rows = torch.empty_like(rows)
-    per_row = torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
-    if rows.shape[0]:
-        kernels["sum_rows_backward"][(rows.shape[0],)](
+    row_weight[i] * grad[tokens[i]] in `dtype`, and per_row[i] = <grad[tokens[i]], rows[i]> in float32 (None when rows
+    is None: the weights need no gradient)."""
+    grad = grad.contiguous()
+    grad_rows = grad.new_empty(tokens.shape[0], grad.shape[1], dtype=dtype)
+    per_row = None if rows is None else torch.empty(tokens.shape[0], device=grad.device, dtype=torch.float32)
+    if tokens.shape[0]:
+        kernels["sum_rows_backward"][(tokens.shape[0],)](
             grad,
-            rows,
+            grad if rows is None else rows.contiguous(),
             tokens,
             row_weight.contiguous(),
             grad_rows,
-            per_row,
-            rows.shape[1],
+            grad_rows if per_row is None else per_row,
+            grad.shape[1],
+            DOT=rows is not None,
             BLOCK=MOE_REWRITE_TRITON_BLOCK,
         )
     return grad_rows, per_row
