@@ -1,7 +1,8 @@
 """Expert-MLP forward + backward on one GPU: naive loop vs moe-rewrite's generated code vs transformers' grouped_mm.
 
-Runs in one device call (see bench/README.md for the exact command) and prints a table last. The moe-rewrite rows
-run the code the tool wrote into our V3-form stand-in fixture (rewritten here with the CLI), at the sizes below.
+Runs in one device call (bench/RESULTS.md gives the exact commands of each recorded run) and prints a table last.
+The moe-rewrite rows run the code the tool wrote into our V3-form stand-in fixture (rewritten here with the CLI), at
+the sizes below.
 """
 
 from __future__ import annotations
