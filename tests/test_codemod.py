@@ -163,6 +163,38 @@ def test_v3_reformatted_keeps_comments_and_names():
     assert "# sorted experts" in result.text
 
 
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (  # one line
+            "self.moe_infer(hidden_states, topk_idx, topk_weight)",
+            "self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype)",
+        ),
+        (  # one argument a line, a trailing comma and a comment after it
+            "self.moe_infer(\n                hidden_states,\n                topk_idx,\n"
+            "                topk_weight,  # weights\n            )",
+            "self.moe_train(\n                hidden_states,\n                topk_idx,\n                topk_weight,\n"
+            "                out_dtype=hidden_states.dtype,  # weights\n            )",
+        ),
+        (  # aligned continuation lines, no trailing comma
+            "self.moe_infer(hidden_states,\n                           topk_idx,\n                           topk_weight)",
+            "self.moe_train(hidden_states,\n                           topk_idx,\n                           topk_weight,\n"
+            "                           out_dtype=hidden_states.dtype)",
+        ),
+    ],
+    ids=["one-line", "trailing-comma", "aligned"],
+)
+def test_v3_training_call_keeps_the_eval_calls_layout(call, expected):
+    """The training branch's call is the eval branch's, renamed, with out_dtype as its last argument in the same
+    layout (comments kept): it must compile and read as the file's own code."""
+    text = _read(PAIRS / "v3_basic.in.py")
+    eval_call = "self.moe_infer(hidden_states, topk_idx, topk_weight)"
+    assert text.count(eval_call) == 1
+    result = rewrite_source(text.replace(eval_call, call))
+    ast.parse(result.text)
+    assert f"else:\n            y = {expected}.view(*orig_shape)\n" in result.text
+
+
 def test_v2_replaces_the_loop_and_keeps_cast_and_aux_loss():
     text = _read(PAIRS / "v2_basic.in.py")
     result = rewrite_source(text)

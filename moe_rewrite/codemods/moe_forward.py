@@ -164,19 +164,19 @@ class _ReplaceMoeInfer(cst.CSTTransformer):
         if not m.matches(original_node, MOE_INFER_CALL):
             return updated_node
         func = cst.ensure_type(updated_node.func, cst.Attribute)
-        dtype = cst.Attribute(value=updated_node.args[0].value, attr=cst.Name("dtype"))
-        args = [
-            *updated_node.args[:-1],
-            updated_node.args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-        ]
+        *first, before_last, last = updated_node.args  # three (checked by _moe_infer_args)
+        # out_dtype goes last in the call's own layout: the last argument takes the separator the others have, and
+        # a trailing comma (with what follows it: a comment, the line break before the parenthesis) moves after it.
         out_dtype = cst.Arg(
-            dtype,
+            cst.Attribute(value=first[0].value, attr=cst.Name("dtype")),
             keyword=cst.Name("out_dtype"),
             equal=cst.AssignEqual(
                 whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
             ),
+            comma=last.comma,
         )
-        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_train")), args=[*args, out_dtype])
+        args = [*first, before_last, last.with_changes(comma=before_last.comma), out_dtype]
+        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_train")), args=args)
 
     def leave_TrailingWhitespace(
         self, original_node: cst.TrailingWhitespace, updated_node: cst.TrailingWhitespace
