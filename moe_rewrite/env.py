@@ -106,7 +106,7 @@ def report() -> list[str]:
 
 def _elementwise(runtime, device, torch) -> str:
     """Whether the Triton kernels (templates/triton_kernels.py) run SwiGLU and the weighted un-sort here."""
-    if runtime._moe_rewrite_triton(torch.empty(0, device=device, dtype=torch.bfloat16)) is not None:
+    if runtime._moe_rewrite_triton(device, torch.bfloat16) is not None:
         return "Triton kernels (SwiGLU, its backward, the weighted un-sort)"
     if runtime._moe_rewrite_setting("MOE_REWRITE_TRITON", "1") == "0":
         return "torch ops (MOE_REWRITE_TRITON=0)"

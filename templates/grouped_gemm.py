@@ -85,12 +85,12 @@ def _moe_rewrite_choose_kernel(device, dtype):
     raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, sonicmoe, grouped_gemm or loop")
 
 
-def _moe_rewrite_triton(tensor):
-    """The Triton kernels of the memory-bound steps (triton_kernels.py) for `tensor`'s rows, or None, and the same
-    arithmetic runs as torch ops: off CUDA, in float64 (the kernels compute in float32), without triton, with
+def _moe_rewrite_triton(device, dtype):
+    """The Triton kernels of the memory-bound steps (triton_kernels.py) for rows on `device` in `dtype`, or None, and
+    the same arithmetic runs as torch ops: off CUDA, in float64 (the kernels compute in float32), without triton, with
     MOE_REWRITE_TRITON=0, or under torch.compile (which fuses those steps itself). Built on first use and kept for the
     process."""
-    if tensor.device.type != "cuda" or tensor.dtype == torch.float64 or torch.compiler.is_compiling():
+    if device.type != "cuda" or dtype == torch.float64 or torch.compiler.is_compiling():
         return None
     if "triton" not in _moe_rewrite_kernels:
         wanted = _moe_rewrite_setting("MOE_REWRITE_TRITON", "1") != "0"
@@ -285,19 +285,19 @@ class _MoeRewriteGather(torch.autograd.Function):
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, kernels):
+def _moe_rewrite_route(topk_ids, num_experts, with_positions):
     """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
     cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
     (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
     tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; None without them)."""
+    permutation, which the Triton kernels read; computed `with_positions`, else None)."""
     flat_ids = topk_ids.reshape(-1)
     # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
     sorted_ids, order = flat_ids.to(key).sort(stable=True)
     experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    positions = None if kernels is None else _moe_rewrite_positions(order)
+    positions = _moe_rewrite_positions(order) if with_positions else None
     return offsets, (order, order // topk_ids.shape[1], positions)
 
 
@@ -343,7 +343,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, topk_weight, route, offsets, kernel, keep_stacked, act_fn, out_dtype, source, *tensors):
         stacked = source.stacked(gate_up.dtype)
-        kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
+        kernels = _moe_rewrite_triton(gate_up.device, gate_up.dtype) if _moe_rewrite_is_silu(act_fn) else None
         if kernels is not None:
             hidden = _moe_rewrite_swiglu(kernels, gate_up)
         else:
@@ -356,7 +356,6 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         ctx.save_for_backward(gate_up, topk_weight, order, tokens, offsets, kept)
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
-            positions = _moe_rewrite_positions(order) if positions is None else positions
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
         out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
         return _moe_rewrite_combine(out, topk_weight).to(dtype)
@@ -446,7 +445,6 @@ class _MoeRewriteCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
         order, tokens, positions = route
-        positions = _moe_rewrite_positions(order) if positions is None else positions
         ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, topk_weight, order, tokens)
         ctx.kernels, ctx.dtype = kernels, rows.dtype
         dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
@@ -478,16 +476,19 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
             return out.to(out_dtype or out.dtype)
         kernel = "torch"
     gate_up_w, down_w, act_fn, adapters = weights
-    top_k, kernels = topk_ids.shape[1], _moe_rewrite_triton(x)
-    offsets, route = _moe_rewrite_route(topk_ids, num_experts, kernels)
+    top_k = topk_ids.shape[1]
+    # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
+    # there only where the rows' are too, so the route holds the positions whenever either reads them).
+    kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
     if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
-        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(route, top_k, dtype, kernels))
+        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(route, top_k, dtype, x_kernels))
     else:  # the adapters read the gathered rows too
-        rows = _MoeRewriteGather.apply(x, route, top_k, kernels).to(dtype)
+        rows = _MoeRewriteGather.apply(x, route, top_k, x_kernels).to(dtype)
         gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
         gate_up = _moe_rewrite_add_lora(gate_up, rows, offsets, kernel, keep, adapters.get("gate_up_proj", ()))
     if adapters.get("gate_proj") or adapters.get("up_proj"):
@@ -499,15 +500,13 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
         return _MoeRewriteExpertOutput.apply(
             gate_up, topk_weight, route, offsets, kernel, keep, act_fn, out_dtype, down_w, *down_w.tensors
         )
-    kernels = _moe_rewrite_triton(gate_up) if _moe_rewrite_is_silu(act_fn) else None
-    if kernels is not None:
+    if kernels is not None and _moe_rewrite_is_silu(act_fn):
         hidden = _MoeRewriteSwiGLU.apply(gate_up, kernels)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = act_fn(gate) * up
     out = _moe_rewrite_linear(hidden, offsets, kernel, keep, down_w)
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
-    kernels = _moe_rewrite_triton(out)
     if kernels is not None:
         return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
     # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.

@@ -1,7 +1,8 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
 one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the
 un-sort plus weighted sum of each token's top-k expert rows, and that sum's backward. The core uses them where
-`_moe_rewrite_triton(rows)` (grouped_gemm.py) returns them, and runs the same arithmetic as torch ops everywhere else.
+`_moe_rewrite_triton(device, dtype)` (grouped_gemm.py) returns them, and runs the same arithmetic as torch ops
+everywhere else.
 """
 
 import torch

@@ -121,14 +121,16 @@ def test_route_sorts_the_rows_by_expert_stably(experts):
     tokens, k = 50, 4
     ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
     ids[::7, 0] = experts - 1  # some experts get many rows, most none
-    offsets, (order, tokens_of_rows, positions) = grouped_gemm._moe_rewrite_route(ids, experts, kernels={})
+    offsets, (order, tokens_of_rows, positions) = grouped_gemm._moe_rewrite_route(ids, experts, with_positions=True)
     flat = ids.reshape(-1)
     want = sorted(range(flat.numel()), key=lambda j: (int(flat[j]), j))
     assert order.tolist() == want
     assert torch.equal(tokens_of_rows, order // k) and torch.equal(order[positions], torch.arange(flat.numel()))
     counts = torch.bincount(flat, minlength=experts)
     assert offsets.dtype == torch.int32 and torch.equal(offsets, counts.cumsum(0).to(torch.int32))
-    assert grouped_gemm._moe_rewrite_route(ids, experts, kernels=None)[1][2] is None  # only the Triton kernels read it
+    assert (
+        grouped_gemm._moe_rewrite_route(ids, experts, with_positions=False)[1][2] is None
+    )  # only the Triton kernels read it
 
 
 @pytest.mark.parametrize("kernel", ["sorted", "torch"])
@@ -174,7 +176,7 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     dtype = torch.float64 if kernel == "sorted" else torch.float32  # torch._grouped_mm: bf16 / fp32 only
     tokens, k, inter, hidden = 5, 2, 4, 8
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, None)
+    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, with_positions=False)
     order = route[0]
     assert torch.equal(order, ids.reshape(-1).argsort(stable=True))
     assert offsets.dtype == torch.int32 and offsets.tolist() == [3, 3, 7, 10]
@@ -216,7 +218,7 @@ def test_gathered_linear_passes_gradcheck(keep_stacked, compute):
     (through the cast to the compute dtype and back), the weight's, an empty expert's exactly zero."""
     tokens, k, hidden, out = 5, 2, 4, 6
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, None)
+    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, with_positions=False)
     order = route[0]
     x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(4, out, hidden, dtype=torch.float64, requires_grad=True)

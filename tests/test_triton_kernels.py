@@ -113,7 +113,7 @@ def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, ker
     """The core in float32 with the kernels on against the per-expert float64 reference."""
     device, kernels = kernels
     ran = []
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: ran.append(rows.device) or kernels)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: ran.append(device) or kernels)
     moe = tiny_moe("fused", hidden=24, inter=20)
     moe.experts.act_fn = torch.nn.SiLU()
     x = torch.randn(tokens, 24, dtype=torch.float64)
@@ -149,7 +149,7 @@ def test_out_dtype_is_written_straight_from_the_float32_sums(monkeypatch, kernel
     bf16 from their float32 sums (one rounding, where the promoted result cast afterwards rounds once too), and every
     gradient equals that of the promoted result cast to bf16."""
     device, kernels = kernels
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
     # bf16 on a GPU runs torch._grouped_mm, whose rows need 16-byte strides: 32 and 24 columns
     moe = tiny_moe("fused", hidden=32, inter=24).to(device, torch.bfloat16)
     moe.experts.act_fn = torch.nn.SiLU()
@@ -173,21 +173,20 @@ def test_out_dtype_is_written_straight_from_the_float32_sums(monkeypatch, kernel
 
 def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     """The choice, decided once per process: CUDA rows in bf16, fp16 or fp32 get the kernels; float64 rows (the
-    kernels compute in float32), other devices and MOE_REWRITE_TRITON=0 get None (torch ops). Tensors are stood in for
-    by their device and dtype: nothing runs on a GPU here."""
-    from types import SimpleNamespace
+    kernels compute in float32), other devices and MOE_REWRITE_TRITON=0 get None (torch ops). Nothing runs on a GPU
+    here."""
 
-    def rows(device, dtype):
-        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+    def rows(device, dtype):  # the rows' device and dtype
+        return torch.device(device), dtype
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
-    kernels = grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16))
+    kernels = grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
     assert sorted(kernels) == ["sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
-    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float32)) is kernels  # built once
-    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.float64)) is None
-    assert grouped_gemm._moe_rewrite_triton(rows("cpu", torch.bfloat16)) is None
+    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
+    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
+    assert grouped_gemm._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", "0")
-    assert grouped_gemm._moe_rewrite_triton(rows("cuda", torch.bfloat16)) is None
+    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16)) is None
 
 
 @pytest.mark.parametrize("weights_grad", [True, False], ids=["router-trained", "router-frozen"])
@@ -214,7 +213,9 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
     def run(with_kernels):
         ran, saved = [], []
         swiglu, combine = grouped_gemm._MoeRewriteSwiGLU.apply, grouped_gemm._MoeRewriteCombine.apply
-        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda rows: kernels if with_kernels else None)
+        monkeypatch.setattr(
+            grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels if with_kernels else None
+        )
         monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append("swiglu") or swiglu(*a))
         monkeypatch.setattr(grouped_gemm._MoeRewriteCombine, "apply", lambda *a: ran.append("combine") or combine(*a))
         weights = (gate_up_w, down_w, act, adapters)
