@@ -8,6 +8,10 @@
 # finished or not, to $OUT/sonicmoe-autotune-CONFIG.tgz. Copy that file into bench/results/ and run again until the
 # sonicmoe row prints (moonlight: one 560 s call tuned five GEMMs, the next finished in 131 s).
 #
+# SONICMOE_CACHE=DIR keeps the whole cache there instead of a fresh temporary directory: the compiled kernels too,
+# which quack keys on dtypes, layouts and tile shapes but not on the sizes, so a second size (or a second call on a
+# machine still warm) compiles nothing and only times the candidates.
+#
 #   OUT=/root/out bash bench/sonicmoe.sh moonlight [SECONDS] [ROWS]
 #
 # Needs sonic-moe and its wheels importable (../shared/PEERS.md) and the libcst wheel for the rewrite.
@@ -16,7 +20,8 @@ config=${1:?usage: bench/sonicmoe.sh seed|moonlight|v3 [seconds] [rows]}
 limit=${2:-540}
 rows=${3:-moe-rewrite[fused],liger-fused_moe,sonicmoe}
 out=${OUT:-bench/out}
-cache=$(mktemp -d)
+cache=${SONICMOE_CACHE:-$(mktemp -d)}
+mkdir -p "$cache"
 saved=bench/results/sonicmoe-autotune-$config.tgz
 mkdir -p "$out"
 [ -f "$saved" ] && tar -xzf "$saved" -C "$cache"
