@@ -231,9 +231,8 @@ class SonicPeer(torch.nn.Module):
 
     def gate_up_grad(self):
         """w1's gradient in the [gate; up] layout of the other rows."""
-        experts, double, hidden = self.w1.shape
-        grad = self.w1.grad.view(experts, double // 2, 2, hidden)
-        return torch.cat([grad[:, :, 0], grad[:, :, 1]], dim=1)
+        experts, double, hidden = self.w1.shape  # a view, (E, 2, I, H): rel() copies it a few experts at a time
+        return self.w1.grad.view(experts, double // 2, 2, hidden).transpose(1, 2)
 
 
 def grads_of(impl, moe, peer, x):
@@ -257,10 +256,11 @@ def clear_grads(moe, peer, x=None):
 
 
 def rel(a, b):
-    """||a - b|| / ||b||, accumulated over chunks of dim 0 (v3's gradients are 15 GB in bf16)."""
+    """||a - b|| / ||b||, accumulated over chunks of dim 0 (v3's gradients are 15 GB in bf16); a may be b's shape or a
+    view of the same elements in b's order with more dimensions (SonicPeer.gate_up_grad)."""
     num = den = 0.0
     for ca, cb in zip(a.split(16), b.split(16)):
-        num += (ca.float() - cb.float()).square().sum().item()
+        num += (ca.float().reshape(cb.shape) - cb.float()).square().sum().item()
         den += cb.float().square().sum().item()
     return (num / den) ** 0.5
 
