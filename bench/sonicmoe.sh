@@ -6,7 +6,8 @@
 # quack keeps the timings in $QUACK_CACHE_DIR. This script restores earlier timings from
 # bench/results/sonicmoe-autotune-CONFIG.tgz, runs bench_moe.py under a time limit, and writes the timings it has,
 # finished or not, to $OUT/sonicmoe-autotune-CONFIG.tgz. Copy that file into bench/results/ and run again until the
-# sonicmoe row prints (moonlight: one 560 s call tuned five GEMMs, the next finished in 131 s).
+# sonicmoe row prints (moonlight: one 560 s call tuned five GEMMs, the next finished in 131 s). With all six timings
+# saved (moonlight, seed and v3 have them) a fresh machine compiles only the chosen configs: ~30 s.
 #
 # SONICMOE_CACHE=DIR keeps the whole cache there instead of a fresh temporary directory: the compiled kernels too,
 # which quack keys on dtypes, layouts and tile shapes but not on the sizes, so a second size (or a second call on a
