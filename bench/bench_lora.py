@@ -233,12 +233,7 @@ def main():
     import peft
     import transformers
 
-    result = dict(
-        device=torch.cuda.get_device_name(),
-        date=time.strftime("%Y-%m-%d"),
-        commit=os.environ.get("BENCH_COMMIT", "unknown"),
-        command=" ".join(sys.argv),
-        torch=torch.__version__,
+    result = b.record(
         transformers=transformers.__version__,
         peft=peft.__version__,
         lora=dict(r=RANK, alpha=ALPHA, targets="every routed expert projection"),

@@ -265,6 +265,18 @@ def rel(a, b):
     return (num / den) ** 0.5
 
 
+def record(**fields):
+    """A result record: the device, date, commit (BENCH_COMMIT), command and torch version, then `fields`."""
+    return dict(
+        device=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("BENCH_COMMIT", "unknown"),
+        command=" ".join(sys.argv),
+        torch=torch.__version__,
+        **fields,
+    )
+
+
 def run_impl(fn, data, moe, peer, warmup, reps):
     """Median ms of forward+backward over `reps` timed steps, rotating routings; the step's extra peak memory, and the
     memory forward keeps for backward."""
@@ -491,12 +503,7 @@ def main():
         del moe, peer, ref, data
         torch.cuda.empty_cache()
 
-    result = dict(
-        device=torch.cuda.get_device_name(),
-        date=time.strftime("%Y-%m-%d"),
-        commit=os.environ.get("BENCH_COMMIT", "unknown"),
-        command=" ".join(sys.argv),
-        torch=torch.__version__,
+    result = record(
         matmul_tflops=round(rate, 1),
         empty_expert_wgrad_ok=empty_ok,
         notes=notes

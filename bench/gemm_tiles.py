@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -108,15 +107,7 @@ def main():
             )
             rows_out.append(row)
             print(json.dumps(row), flush=True)
-    result = dict(
-        device=torch.cuda.get_device_name(),
-        date=time.strftime("%Y-%m-%d"),
-        commit=os.environ.get("BENCH_COMMIT", "unknown"),
-        command=" ".join(sys.argv),
-        torch=torch.__version__,
-        config=base,
-        rows=rows_out,
-    )
+    result = b.record(config=base, rows=rows_out)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gemm-tiles-{args.config}.json").write_text(json.dumps(result, indent=1) + "\n")
