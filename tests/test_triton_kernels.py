@@ -233,3 +233,66 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
     assert torch.allclose(got[0].float(), want[0].float(), atol=1e-4, rtol=1e-4 if out_dtype is None else 2**-7)
     for a, b in zip(got[1:], want[1:]):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
+    """torch._grouped_mm takes its small tile at rows // experts <= 128: padding lifts that to 129, only where it adds
+    at most an eighth of the rows."""
+    for rows, padded in [
+        (8 * 128, 8 * 129),
+        (8 * 115, 8 * 129),
+        (8 * 129 - 1, 8 * 129),
+        (8 * 114, None),
+        (8 * 129, None),
+    ]:
+        route = (torch.arange(rows), torch.arange(rows) // 2, None)
+        order, tokens, _ = grouped_gemm._moe_rewrite_pad_route(route, 8)
+        assert order is route[0]
+        if padded is None:
+            assert tokens is route[1]
+        else:
+            assert tokens.numel() == padded and torch.equal(tokens[:rows], route[1]) and not tokens[rows:].any()
+
+
+@pytest.mark.parametrize("x_kernels", [True, False])
+def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
+    """The padded route (as on an H100 / H200 at V3's 128 rows per expert) gives bit for bit the output and every
+    gradient of the unpadded one, with x's gradient summed by the kernels or, where x's dtype has none, by torch."""
+    device, kernels = kernels
+    calls = []  # per step the core asks for the rows' kernels, then for x's (the second call), then the output node
+
+    def triton(device, dtype):
+        calls.append(dtype)
+        return None if len(calls) == 2 and not x_kernels else kernels
+
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", triton)
+    # torch._grouped_mm on an sm90 GPU, or on the CPU (where torch has one too, with no tile choice)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_kernel", lambda device, dtype: "torch")
+    torch.manual_seed(0)
+    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
+    moe.experts.act_fn = torch.nn.SiLU()
+    tokens = 360  # 720 rows over 6 experts: 120 each on average, padded to 774
+    ids, w = routing(tokens, 6, 2)
+    x = torch.randn(tokens, 24, device=device)
+    probe = torch.randn(tokens, 24, device=device)
+    ids, w = ids.to(device), w.to(device, torch.float32)
+    padded = []
+    pad_route = grouped_gemm._moe_rewrite_pad_route
+
+    def step(pad):
+        def route(route, experts):
+            out = pad_route(route, experts) if pad else route
+            padded.append(out[1].numel())
+            return out
+
+        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_pad_route", route)
+        calls.clear()
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters()]
+        y = moe.moe_train(leaves[0], ids, leaves[1])
+        return [y.detach(), *torch.autograd.grad((y * probe).sum(), leaves)]
+
+    got, want = step(True), step(False)
+    assert padded == [774, 720]
+    for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
+        assert torch.equal(a, b), name

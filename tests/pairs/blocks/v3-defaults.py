@@ -285,6 +285,25 @@ def _moe_rewrite_route(topk_ids, num_experts, with_positions):
     return offsets, (order, order // topk_ids.shape[1], positions)
 
 
+def _moe_rewrite_pad_route(route, num_experts):
+    """The route with padding rows (token 0, in no expert's group) after the last sorted row, where they make
+    torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128, a
+    64-row one that reads each expert's weights once per 64 rows (V3's routing at 4096 tokens has exactly 128 rows per
+    expert on average), above, 128 x 256. Rows past the last offset are never read or written by the GEMMs, and the
+    un-sort and token sums read rows by position, so the padding changes no number. Only where it adds at most an
+    eighth of the rows (bench/NOTES.md, change 22)."""
+    order, tokens, positions = route
+    pad = 129 * num_experts - tokens.numel()
+    if pad <= 0 or pad > tokens.numel() // 8:
+        return route
+    return order, torch.cat([tokens, tokens.new_zeros(pad)]), positions
+
+
+def _moe_rewrite_hopper(device):
+    """Whether `device` is an sm90 GPU (H100, H200), where torch._grouped_mm's tile choice is the one above."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
     """Each token's top_k row gradients (rows in expert order) summed in `dtype` (accumulated in float32 for bf16 and
     fp16): un-sorted by a permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton
@@ -292,6 +311,7 @@ def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
     order, _, positions = route
     if kernels is not None:
         return _moe_rewrite_sum_rows(kernels, grad_rows, positions, top_k, dtype=dtype)
+    grad_rows = grad_rows[: order.numel()]  # without padding rows (_moe_rewrite_pad_route)
     unsorted = torch.empty_like(grad_rows, dtype=dtype).index_copy_(0, order, grad_rows.to(dtype))
     return unsorted.view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
 
@@ -351,6 +371,8 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
         grad_rows = grad.to(gate_up.dtype).index_select(0, tokens)
         row_weight = topk_weight.reshape(-1)[order]
+        if tokens.numel() > order.numel():  # padding rows (_moe_rewrite_pad_route): a weight to read, reaching nothing
+            row_weight = torch.cat([row_weight, row_weight.new_zeros(tokens.numel() - order.numel())])
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
         if kernels is not None:
@@ -446,6 +468,7 @@ def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
         return None
+    per_row = per_row[: order.numel()]  # without padding rows
     return torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape).to(topk_weight.dtype)
 
 
@@ -465,6 +488,8 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
     offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
+    if kernels is not None and kernel == "torch" and not any(adapters.values()) and _moe_rewrite_hopper(x.device):
+        route = _moe_rewrite_pad_route(route, num_experts)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
