@@ -266,16 +266,27 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
         return None if len(calls) == 2 and not x_kernels else kernels
 
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", triton)
-    # torch._grouped_mm on an sm90 GPU, or on the CPU (where torch has one too, with no tile choice)
+    # torch._grouped_mm (bf16 on a GPU, 16-byte aligned rows; float32 on the CPU, where torch has one too), whose
+    # outputs past the last group are left unwritten: NaN here, so that a padding row read anywhere shows
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_kernel", lambda device, dtype: "torch")
+    gmm = grouped_gemm._moe_rewrite_gmm
+
+    def unwritten_padding(kernel, a, b, offsets, mode):
+        out = gmm(kernel, a, b, offsets, mode)
+        if mode != "wgrad":
+            out[offsets[-1] :] = float("nan")
+        return out
+
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_gmm", unwritten_padding)
     torch.manual_seed(0)
-    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    moe = tiny_moe("fused", hidden=32, inter=24).to(device, dtype)
     moe.experts.act_fn = torch.nn.SiLU()
     tokens = 360  # 720 rows over 6 experts: 120 each on average, padded to 774
     ids, w = routing(tokens, 6, 2)
-    x = torch.randn(tokens, 24, device=device)
-    probe = torch.randn(tokens, 24, device=device)
+    x = torch.randn(tokens, 32, device=device, dtype=dtype)
+    probe = torch.randn(tokens, 32, device=device)
     ids, w = ids.to(device), w.to(device, torch.float32)
     padded = []
     pad_route = grouped_gemm._moe_rewrite_pad_route
@@ -290,9 +301,12 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
         calls.clear()
         leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters()]
         y = moe.moe_train(leaves[0], ids, leaves[1])
-        return [y.detach(), *torch.autograd.grad((y * probe).sum(), leaves)]
+        return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), leaves)]
 
     got, want = step(True), step(False)
     assert padded == [774, 720]
     for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
-        assert torch.equal(a, b), name
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:  # the GPU's two tiles may accumulate in another order
+            assert a.isfinite().all() and (a.float() - b.float()).norm() < 1e-2 * b.float().norm(), name
