@@ -303,11 +303,11 @@ def _moe_rewrite_route(topk_ids, num_experts, with_positions):
 
 def _moe_rewrite_pad_route(route, num_experts):
     """The route with padding rows (token 0, in no expert's group) after the last sorted row, where they make
-    torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128, a
-    64-row one that reads each expert's weights once per 64 rows (V3's routing at 4096 tokens has exactly 128 rows per
-    expert on average), above, 128 x 256. Rows past the last offset are never read or written by the GEMMs, and the
-    un-sort and token sums read rows by position, so the padding changes no number. Only where it adds at most an
-    eighth of the rows (bench/NOTES.md, change 22)."""
+    torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128 a
+    64 x 128 one, above 128 x 256 (SonicMoE's tuned choice at V3's sizes, whose routing at 4096 tokens has exactly 128
+    rows per expert on average). Rows past the last offset are never read or written by the GEMMs, and the un-sort and
+    token sums read rows by position, so the padding changes no number. Only where it adds at most an eighth of the
+    rows (bench/NOTES.md, change 22)."""
     order, tokens, positions = route
     pad = 129 * num_experts - tokens.numel()
     if pad <= 0 or pad > tokens.numel() // 8:
