@@ -386,9 +386,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
         grad_rows = grad.to(gate_up.dtype).index_select(0, tokens)
-        row_weight = topk_weight.reshape(-1)[order]
-        if tokens.numel() > order.numel():  # padding rows (_moe_rewrite_pad_route): a weight to read, reaching nothing
-            row_weight = torch.cat([row_weight, row_weight.new_zeros(tokens.numel() - order.numel())])
+        row_weight = _moe_rewrite_row_weights(topk_weight, order, tokens)
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
         if kernels is not None:
@@ -475,9 +473,18 @@ class _MoeRewriteCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, topk_weight, order, tokens = ctx.saved_tensors
-        row_weight = topk_weight.reshape(-1)[order]
+        row_weight = _moe_rewrite_row_weights(topk_weight, order, tokens)
         grad_rows, per_row = _moe_rewrite_sum_rows_backward(ctx.kernels, grad, rows, tokens, row_weight, ctx.dtype)
         return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
+
+
+def _moe_rewrite_row_weights(topk_weight, order, tokens):
+    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_pad_route:
+    a weight for the kernels to read, whose products reach no expert and no token)."""
+    row_weight = topk_weight.reshape(-1)[order]
+    if tokens.numel() > order.numel():
+        row_weight = torch.cat([row_weight, row_weight.new_zeros(tokens.numel() - order.numel())])
+    return row_weight
 
 
 def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
@@ -504,7 +511,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
     offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
-    if kernels is not None and kernel == "torch" and not any(adapters.values()) and _moe_rewrite_hopper(x.device):
+    if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device):
         route = _moe_rewrite_pad_route(route, num_experts)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.

@@ -254,10 +254,13 @@ def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
             assert tokens.numel() == padded and torch.equal(tokens[:rows], route[1]) and not tokens[rows:].any()
 
 
-@pytest.mark.parametrize("x_kernels", [True, False])
-def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
+@pytest.mark.parametrize(
+    "adapted,x_kernels", [((), True), ((), False), (("down_proj",), True), (("gate_up_proj", "down_proj"), True)]
+)
+def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, x_kernels):
     """The padded route (as on an H100 / H200 at V3's 128 rows per expert) gives bit for bit the output and every
-    gradient of the unpadded one, with x's gradient summed by the kernels or, where x's dtype has none, by torch."""
+    gradient of the unpadded one: without adapters, x's gradient summed by the kernels or, where x's dtype has none,
+    by torch; with LoRA on the down projection (the composed path and its combine node) and on both."""
     device, kernels = kernels
     calls = []  # per step the core asks for the rows' kernels, then for x's (the second call), then the output node
 
@@ -269,7 +272,6 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
     # torch._grouped_mm (bf16 on a GPU, 16-byte aligned rows; float32 on the CPU, where torch has one too), whose
     # outputs past the last group are left unwritten: NaN here, so that a padding row read anywhere shows
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_kernel", lambda device, dtype: "torch")
     gmm = grouped_gemm._moe_rewrite_gmm
 
     def unwritten_padding(kernel, a, b, offsets, mode):
@@ -279,12 +281,37 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
         return out
 
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_gmm", unwritten_padding)
+    # the kernels read a routing weight for every row they are given (padding rows included): no read past the end
+    swiglu_backward, sum_rows_backward = (
+        grouped_gemm._moe_rewrite_swiglu_backward,
+        grouped_gemm._moe_rewrite_sum_rows_backward,
+    )
+
+    def checked_swiglu_backward(kernels, gate_up, grad_h, row_weight, weighted):
+        assert row_weight.shape == gate_up.shape[:1] == grad_h.shape[:1]
+        return swiglu_backward(kernels, gate_up, grad_h, row_weight, weighted)
+
+    def checked_sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype):
+        assert row_weight.shape == tokens.shape and (rows is None or rows.shape[:1] == tokens.shape)
+        return sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype)
+
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_swiglu_backward", checked_swiglu_backward)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sum_rows_backward", checked_sum_rows_backward)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    moe = tiny_moe("fused", hidden=32, inter=24).to(device, dtype)
+    moe = tiny_moe("fused", experts=4, hidden=32, inter=24).to(device, dtype)
     moe.experts.act_fn = torch.nn.SiLU()
-    tokens = 360  # 720 rows over 6 experts: 120 each on average, padded to 774
-    ids, w = routing(tokens, 6, 2)
+    gate_up_w, down_w, act, _ = moe.moe_rewrite_expert_weights()
+    source, lora = grouped_gemm._MoeRewriteExpertWeight, []
+    shapes = {"gate_up_proj": (32, 48), "down_proj": (24, 32)}  # (in, out)
+    adapters = {}
+    for name in adapted:  # rank 8: 16-byte rows in bf16
+        a = torch.randn(4, 8, shapes[name][0], device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(4, shapes[name][1], 8, device=device, dtype=dtype, requires_grad=True)
+        adapters[name] = ((source(a), source(b), 0.5, torch.nn.Identity()),)
+        lora += [a, b]
+    tokens = 232  # 464 rows over 4 experts (the first two: see routing): 116 each on average, padded to 516
+    ids, w = routing(tokens, 4, 2)
     x = torch.randn(tokens, 32, device=device, dtype=dtype)
     probe = torch.randn(tokens, 32, device=device)
     ids, w = ids.to(device), w.to(device, torch.float32)
@@ -299,13 +326,15 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, x_kernels):
 
         monkeypatch.setattr(grouped_gemm, "_moe_rewrite_pad_route", route)
         calls.clear()
-        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters()]
-        y = moe.moe_train(leaves[0], ids, leaves[1])
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters(), *lora]
+        weights = (gate_up_w, down_w, act, adapters)
+        y = grouped_gemm._moe_rewrite_grouped_experts(leaves[0], ids, leaves[1], weights, 4, "torch", dtype, None)
         return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), leaves)]
 
     got, want = step(True), step(False)
-    assert padded == [774, 720]
-    for name, a, b in zip(["output", "x", "routing weights", "gate_up_proj", "down_proj"], got, want):
+    assert padded == [516, 464]
+    names = ["output", "x", "routing weights", "gate_up_proj", "down_proj", *(f"lora {i}" for i in range(len(lora)))]
+    for name, a, b in zip(names, got, want, strict=True):
         if device == "cpu":
             assert torch.equal(a, b), name
         else:  # the GPU's two tiles may accumulate in another order
