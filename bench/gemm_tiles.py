@@ -4,14 +4,16 @@ torch's sm90 grouped GEMM (aten/src/ATen/native/cuda/GroupMM.cu) picks its tile 
 2-D x 3-D product it divides the rows by the number of groups and takes a 64x128x128 ping-pong tile when that is
 <= 128 (or the output width is), else a 128x256x64 cooperative one. At v3's sizes (E=256, k=8, 4096 tokens) the
 average is exactly 128 rows per expert, so four of the step's six GEMMs (both projections' forward and input
-gradient; the weight gradients are 2-D x 2-D and take the large tile) run the small tile, where SonicMoE's autotune
+gradient; the weight gradients are 2-D x 2-D and take the large tile) ran the small tile, where SonicMoE's autotune
 picked 128x256 for the same shapes. Rows past the last offset belong to no group and are never read, so a few padding
-rows (enough to lift the average above 128) make torch take the large tile on the same problem.
+rows (enough to lift the average above 128) make torch take the large tile on the same problem: the generated code
+pads its route so since change 22 (bench/NOTES.md), where that adds at most an eighth of the rows.
 
 This times both, on bench_moe.py's skewed routings at v3's widths, for token counts around the boundary: "called" is
-the GEMM as the generated code calls it (the small tile up to 128 rows per expert), "padded" the same GEMM on a tensor
-with the padding rows already there (the large tile; what padding the gather index would cost), "padded+copy" with
-the padding added by a copy inside the timed region (what padding inside the GEMM wrapper would cost). Above 128 rows
+the GEMM on the rows alone (the small tile up to 128 rows per expert; what the generated code ran before change 22),
+"padded" the same GEMM on a tensor with the padding rows already there (the large tile; what change 22's padded
+gather costs), "padded+copy" with the padding added by a copy inside the timed region (what padding inside the GEMM
+wrapper would cost). Above 128 rows
 per expert nothing is padded and the two are the same call (a control). Variants are interleaved within every
 repetition (the A/B order effect, bench/NOTES.md change 20).
 Also checks that the real rows' results agree.
