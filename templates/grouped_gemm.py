@@ -187,13 +187,15 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
         if mode == "dgrad":
             return gg.gmm(a, b, counts)
         return gg.gmm(a, b, counts, trans_a=True)
-    # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype.
-    a_parts = a.split(counts.tolist())
+    # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype. Rows past the last
+    # offset (padding, _moe_rewrite_pad_route) are in no group: zeros out, as the grouped kernels leave them unread.
+    total = int(counts.sum())
+    a_parts, padding = a[:total].split(counts.tolist()), a.shape[0] - total
     if mode == "fwd":
-        return torch.cat([part @ w.t() for part, w in zip(a_parts, b)])
+        return torch.cat([*(part @ w.t() for part, w in zip(a_parts, b)), a.new_zeros(padding, b.shape[1])])
     if mode == "dgrad":
-        return torch.cat([part @ w for part, w in zip(a_parts, b)])
-    return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b.split(counts.tolist()))])
+        return torch.cat([*(part @ w for part, w in zip(a_parts, b)), a.new_zeros(padding, b.shape[2])])
+    return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b[:total].split(counts.tolist()))])
 
 
 class _MoeRewriteExpertWeight:
@@ -377,6 +379,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
+        out = out[: order.numel()]  # without padding rows (_moe_rewrite_pad_route)
         out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
         return _moe_rewrite_combine(out, topk_weight).to(dtype)
 

@@ -255,12 +255,22 @@ def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
 
 
 @pytest.mark.parametrize(
-    "adapted,x_kernels", [((), True), ((), False), (("down_proj",), True), (("gate_up_proj", "down_proj"), True)]
+    "adapted,rank,x_kernels,act",
+    [
+        ((), 0, True, "silu"),
+        ((), 0, False, "silu"),
+        ((), 0, True, "gelu"),
+        (("down_proj",), 8, True, "silu"),
+        (("gate_up_proj", "down_proj"), 8, True, "silu"),
+        (("gate_up_proj", "down_proj"), 5, True, "silu"),
+    ],
 )
-def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, x_kernels):
+def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_kernels, act):
     """The padded route (as on an H100 / H200 at V3's 128 rows per expert) gives bit for bit the output and every
     gradient of the unpadded one: without adapters, x's gradient summed by the kernels or, where x's dtype has none,
-    by torch; with LoRA on the down projection (the composed path and its combine node) and on both."""
+    by torch, and with an activation the kernels do not run (torch ops in the output node); with LoRA on the down
+    projection (the composed path and its combine node) and on both, of a rank whose rows suit torch._grouped_mm (8)
+    or not (5: the adapters' GEMMs run the sorted per-expert pass)."""
     device, kernels = kernels
     calls = []  # per step the core asks for the rows' kernels, then for x's (the second call), then the output node
 
@@ -300,14 +310,14 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, x_kernels)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     moe = tiny_moe("fused", experts=4, hidden=32, inter=24).to(device, dtype)
-    moe.experts.act_fn = torch.nn.SiLU()
-    gate_up_w, down_w, act, _ = moe.moe_rewrite_expert_weights()
+    moe.experts.act_fn = torch.nn.SiLU() if act == "silu" else torch.nn.GELU()
+    gate_up_w, down_w, act_fn, _ = moe.moe_rewrite_expert_weights()
     source, lora = grouped_gemm._MoeRewriteExpertWeight, []
     shapes = {"gate_up_proj": (32, 48), "down_proj": (24, 32)}  # (in, out)
     adapters = {}
-    for name in adapted:  # rank 8: 16-byte rows in bf16
-        a = torch.randn(4, 8, shapes[name][0], device=device, dtype=dtype, requires_grad=True)
-        b = torch.randn(4, shapes[name][1], 8, device=device, dtype=dtype, requires_grad=True)
+    for name in adapted:
+        a = torch.randn(4, rank, shapes[name][0], device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(4, shapes[name][1], rank, device=device, dtype=dtype, requires_grad=True)
         adapters[name] = ((source(a), source(b), 0.5, torch.nn.Identity()),)
         lora += [a, b]
     tokens = 232  # 464 rows over 4 experts (the first two: see routing): 116 each on average, padded to 516
@@ -327,7 +337,7 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, x_kernels)
         monkeypatch.setattr(grouped_gemm, "_moe_rewrite_pad_route", route)
         calls.clear()
         leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters(), *lora]
-        weights = (gate_up_w, down_w, act, adapters)
+        weights = (gate_up_w, down_w, act_fn, adapters)
         y = grouped_gemm._moe_rewrite_grouped_experts(leaves[0], ids, leaves[1], weights, 4, "torch", dtype, None)
         return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), leaves)]
 
