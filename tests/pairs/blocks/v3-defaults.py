@@ -292,8 +292,9 @@ def _moe_rewrite_pad_route(route, num_experts):
     torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128 a
     64 x 128 one, above 128 x 256 (SonicMoE's tuned choice at V3's sizes, whose routing at 4096 tokens has exactly 128
     rows per expert on average). Rows past the last offset are never read or written by the GEMMs, and the un-sort and
-    token sums read rows by position, so the padding changes no number. Only where it adds at most an eighth of the
-    rows (bench/NOTES.md, change 22)."""
+    token sums read rows by position, so the padding changes no number (LoRA dropout draws its masks over the padding
+    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows (bench/NOTES.md,
+    change 22)."""
     order, tokens, positions = route
     pad = 129 * num_experts - tokens.numel()
     if pad <= 0 or pad > tokens.numel() // 8:
@@ -498,7 +499,8 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
     offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
-    if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device):
+    # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
+    if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device) and not torch.is_anomaly_enabled():
         route = _moe_rewrite_pad_route(route, num_experts)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
@@ -528,7 +530,8 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     if kernels is not None:
         return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
-    # Back to (token, slot) order: a permutation, so no atomics and a deterministic result.
+    # Back to (token, slot) order: a permutation, so no atomics and a deterministic result (without padding rows).
+    out = out[: route[0].numel()]
     out = torch.empty_like(out).index_copy(0, route[0], out)
     out = _moe_rewrite_combine(out, topk_weight)
     return out.to(out_dtype or out.dtype)
