@@ -64,8 +64,7 @@ def _moe_rewrite_choose_kernel(device, dtype):
             )
         return "grouped_gemm"
     if backend == "sonicmoe":  # SonicMoE's kernels are written for Hopper (sm90) and bf16
-        hopper = cuda_bf16 and torch.cuda.get_device_capability(device) == (9, 0)
-        if not hopper or _moe_rewrite_sonicmoe() is None:
+        if not (cuda_bf16 and _moe_rewrite_hopper(device)) or _moe_rewrite_sonicmoe() is None:
             raise RuntimeError(
                 "moe-rewrite: backend 'sonicmoe' needs the sonic-moe package, an sm90 GPU (H100, H200) and bfloat16 "
                 "activations"
@@ -319,8 +318,8 @@ def _moe_rewrite_pad_route(route, num_experts):
 
 
 def _moe_rewrite_hopper(device):
-    """Whether `device` is an sm90 GPU (H100, H200), where torch._grouped_mm's tile choice is the one above."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
@@ -330,9 +329,14 @@ def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
     order, _, positions = route
     if kernels is not None:
         return _moe_rewrite_sum_rows(kernels, grad_rows, positions, top_k, dtype=dtype)
-    grad_rows = grad_rows[: order.numel()]  # without padding rows (_moe_rewrite_pad_route)
-    unsorted = torch.empty_like(grad_rows, dtype=dtype).index_copy_(0, order, grad_rows.to(dtype))
-    return unsorted.view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
+    return _moe_rewrite_unsort(grad_rows, order, dtype).view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
+
+
+def _moe_rewrite_unsort(rows, order, dtype=None):
+    """Rows in expert order back to (token, slot) order, in `dtype` (rows' by default): a permutation, so no atomics
+    and a deterministic result; padding rows past the real ones (_moe_rewrite_pad_route) are dropped."""
+    rows = rows[: order.numel()]
+    return torch.empty_like(rows, dtype=dtype).index_copy_(0, order, rows.to(dtype or rows.dtype))
 
 
 def _moe_rewrite_positions(order):
@@ -380,9 +384,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
-        out = out[: order.numel()]  # without padding rows (_moe_rewrite_pad_route)
-        out = torch.empty_like(out).index_copy(0, order, out)  # a permutation: no atomics, deterministic
-        return _moe_rewrite_combine(out, topk_weight).to(dtype)
+        return _moe_rewrite_combine(_moe_rewrite_unsort(out, order), topk_weight).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -495,8 +497,7 @@ def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
         return None
-    per_row = per_row[: order.numel()]  # without padding rows
-    return torch.empty_like(per_row).index_copy_(0, order, per_row).view(topk_weight.shape).to(topk_weight.dtype)
+    return _moe_rewrite_unsort(per_row, order).view(topk_weight.shape).to(topk_weight.dtype)
 
 
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype, out_dtype):
@@ -546,10 +547,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     if kernels is not None:
         return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
-    # Back to (token, slot) order: a permutation, so no atomics and a deterministic result (without padding rows).
-    out = out[: route[0].numel()]
-    out = torch.empty_like(out).index_copy(0, route[0], out)
-    out = _moe_rewrite_combine(out, topk_weight)
+    out = _moe_rewrite_combine(_moe_rewrite_unsort(out, route[0]), topk_weight)
     return out.to(out_dtype or out.dtype)
 
 
