@@ -479,8 +479,6 @@ def main():
             else:
                 err = max(rel(a, b) for a, b in zip([y] + grads, ref))
             clear_grads(moe, run_peer, x)
-            if impl == "sonicmoe":
-                del sonic_peer, run_peer
             row = dict(
                 config=name,
                 impl=impl,
@@ -494,8 +492,10 @@ def main():
             )
             rows.append(row)
             print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
-            if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm", "moe-rewrite[fused]"):
-                to_profile.append((impl, fn, peer))
+            if args.profile and impl in ("moe-rewrite", "transformers-grouped_mm", "moe-rewrite[fused]", "sonicmoe"):
+                to_profile.append((impl, fn, run_peer))
+            if impl == "sonicmoe":
+                del sonic_peer, run_peer
         set_backend(modeling, {})
         modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
         for impl, fn, peer_ in to_profile:
@@ -575,21 +575,26 @@ def timeline(trace):
         for e in events
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     )
+    host = [(e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e]
     lines = []
     for i, (start, end) in enumerate(steps):
         mine = [ev for ev in gpu if start <= ev[0] <= end]
         busy, gaps, cursor = 0.0, [], start
         for ev_start, ev_end, name in mine:
             if ev_start > cursor:
-                gaps.append((ev_start - cursor, name))
+                gaps.append((ev_start - cursor, cursor, name))
             busy += max(0.0, ev_end - max(ev_start, cursor))
             cursor = max(cursor, ev_end)
         gaps.sort(reverse=True)
-        top = ", ".join(f"{gap:.0f} us before {name[:60]}" for gap, name in gaps[:6])
+        top = ", ".join(f"{gap:.0f} us at +{(at - start) / 1e3:.2f} ms before {nm[:50]}" for gap, at, nm in gaps[:6])
         lines.append(
             f"step {i}: span {(cursor - start) / 1e3:.3f} ms, GPU busy {busy / 1e3:.3f} ms, idle "
-            f"{sum(gap for gap, _ in gaps) / 1e3:.3f} ms in {len(gaps)} gaps; longest: {top}"
+            f"{sum(gap for gap, _, _ in gaps) / 1e3:.3f} ms in {len(gaps)} gaps; longest: {top}"
         )
+        if gaps:  # what the host ran while the GPU waited longest: the longest host ops that started in that gap
+            gap, at, _ = gaps[0]
+            ops = sorted((op for op in host if at <= op[0] < at + gap), key=lambda op: -op[1])[:8]
+            lines.append("  host in the longest gap: " + ", ".join(f"{name[:50]} {dur:.0f} us" for _, dur, name in ops))
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
-"""Where the host time of one moe-rewrite step goes (seed size): torch profiler by self CPU time, and cProfile.
+"""Where the host time of one moe-rewrite step goes, fused experts (the defaults): host and wall ms per step with the
+fused experts' quick per-step check of their views and with the full check (NOTES change 23), interleaved in one
+process; the expert weight sources' host time both ways; then torch profiler by self CPU time, and cProfile.
 
-A diagnostic for bench/NOTES.md, not a result: `python3 bench/cpu_overhead.py` on the device.
+A diagnostic for bench/NOTES.md: `python3 bench/cpu_overhead.py [seed|moonlight|v3]` on the device.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ out.mkdir(parents=True, exist_ok=True)
 modeling, configuration = b.import_patched(
     b.rewrite_fixture(Path(tempfile.mkdtemp()) / "patched_cpu", "--no-fuse-experts"), "patched_cpu"
 )
-cfg = b.CONFIGS[sys.argv[1] if len(sys.argv) > 1 else "seed"]
+name = sys.argv[1] if len(sys.argv) > 1 else "seed"
+cfg = b.CONFIGS[name]
 config = configuration.DeepseekV3Config(
     hidden_size=cfg["H"],
     moe_intermediate_size=cfg["I"],
@@ -41,7 +44,6 @@ with torch.device("cuda"):
     moe = modeling.DeepseekV3MoE(config).train()
 torch.set_default_dtype(torch.float32)
 x, ids, w, g = b.routings(cfg, "cuda", seed=1)[0]
-params = list(moe.parameters())
 
 
 def step(backward=True):
@@ -53,32 +55,41 @@ def step(backward=True):
         p.grad = None
 
 
+moe.moe_rewrite_fuse_experts()
+params = list(moe.parameters())
+fused = type(moe.experts)
+quick = fused._moe_rewrite_own_projections
+
+
+def timed(fn, reps=20):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) / reps * 1e3
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t) / reps * 1e3
+
+
 for _ in range(5):
     step()
-torch.cuda.synchronize()
-for label, fn in [("forward only", lambda: step(False)), ("forward+backward", step)]:
-    t = time.perf_counter()
-    for _ in range(20):
-        fn()
-    host = (time.perf_counter() - t) / 20 * 1e3
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / 20 * 1e3
-    print(f"{label:18} host {host:6.2f} ms/step, wall {wall:6.2f} ms/step")
-t = time.perf_counter()
-for _ in range(20):
-    moe.moe_rewrite_expert_weights()
-print(f"expert weight sources: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
-gate_up, down, _ = moe.moe_rewrite_expert_weights()
-t = time.perf_counter()
-for _ in range(20):
-    gate_up.stacked(torch.bfloat16)
-print(f"stack gate+up (host): {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
+results = {}
+for _ in range(3):  # rounds, the two checks alternating
+    for check, method in [("quick check", quick), ("full check", lambda self: False)]:
+        fused._moe_rewrite_own_projections = method
+        for label, fn in [("forward only", lambda: step(False)), ("forward+backward", step)]:
+            results.setdefault((check, label), []).append(timed(fn))
+        results.setdefault((check, "weight sources"), []).append(timed(moe.moe_rewrite_expert_weights, 200))
+fused._moe_rewrite_own_projections = quick
+for (check, label), runs in results.items():
+    host, wall = (sorted(r[i] for r in runs)[1] for i in (0, 1))  # medians of the three rounds
+    print(f"{name:9} {check:11} {label:16} host {host:7.3f} ms, wall {wall:7.3f} ms")
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-(out / "cpu_profile.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+(out / f"cpu_profile_{name}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 stats = io.StringIO()
 cp = cProfile.Profile()
@@ -88,5 +99,5 @@ for _ in range(10):
 torch.cuda.synchronize()
 cp.disable()
 pstats.Stats(cp, stream=stats).sort_stats("tottime").print_stats(25)
-(out / "cprofile.txt").write_text(stats.getvalue())
+(out / f"cprofile_{name}.txt").write_text(stats.getvalue())
 print(stats.getvalue()[:6000])

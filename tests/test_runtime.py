@@ -3,6 +3,8 @@ per-expert float64 reference, gradients included. The rewritten files run the sa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -316,6 +318,56 @@ def test_fused_checkpoint_keys_round_trip():
     assert unfused.keys() == per_expert_state.keys()
     assert all(torch.equal(unfused[k], v) for k, v in per_expert_state.items())
     assert fused_checkpoint._moe_rewrite_unfuse_state_dict(None, moe) is None  # nothing fused: saved as it is
+
+
+def test_the_per_step_check_of_the_expert_views_agrees_with_the_full_one(monkeypatch):
+    """The fused experts' quick per-step check (every view and projection as made: no adapters to look for) says yes
+    only where the full check over the 3 * E projections finds no adapter either, so both read the same weights; any
+    change to the views (PEFT's layer or the user's module in a projection's place, a submodule added, a projection's
+    class changed or deleted, a view replaced) falls back to the full check, and its numbers are the loop's."""
+    moe = tiny_moe("fused")
+    experts = moe.experts
+    quick = type(experts)._moe_rewrite_own_projections
+
+    def both():
+        got = moe.moe_rewrite_expert_weights()
+        with monkeypatch.context() as m:
+            m.setattr(type(experts), "_moe_rewrite_own_projections", lambda self: False)
+            full = moe.moe_rewrite_expert_weights()
+        assert (got is None) == (full is None) and (got is None or got[3] == full[3] == {})
+        return quick(experts), got is not None
+
+    class Doubled(fused_experts._MoeRewriteExpertProjection):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    x, (ids, w) = torch.randn(4, 8, dtype=torch.float64), routing(4, 6, 2)
+    assert both() == (True, True)
+    original = experts[3].up_proj
+    mutations = [
+        ("a module in a projection's place", lambda: setattr(experts[3], "up_proj", torch.nn.Linear(8, 5).double())),
+        ("a submodule added", lambda: original.add_module("base_layer", torch.nn.Linear(8, 5).double())),
+        ("the class changed", lambda: setattr(original, "__class__", Doubled)),
+        ("a projection deleted", lambda: delattr(experts[3], "up_proj")),
+        ("a view replaced", lambda: experts.add_module("3", Expert(8, 5).double())),
+    ]
+    for why, mutate in mutations:
+        mutate()
+        assert both() == (False, False), why
+        if why != "a projection deleted":  # the loop runs what the views now hold
+            assert torch.allclose(moe.moe_train(x, ids, w), reference(list(experts), x, ids, w), atol=1e-12), why
+        # back as made (as PEFT's merge_and_unload puts the base layer back): the quick check holds again
+        original.__class__ = fused_experts._MoeRewriteExpertProjection
+        original._modules.clear()
+        view = experts.__dict__["_moe_rewrite_made"][1][3]
+        experts.add_module("3", view)
+        view.up_proj = original
+        assert both() == (True, True), why
+    copied = copy.deepcopy(moe)  # a copy checks its own views
+    made = [e.__dict__["_moe_rewrite_made"][4] for e in (copied.experts, experts)]
+    assert quick(copied.experts) and not any(a is b for a, b in zip(*made))
+    copied.experts[0].gate_proj = torch.nn.Linear(8, 5).double()
+    assert not quick(copied.experts) and quick(experts)
 
 
 def test_modules_wrapping_the_fused_experts_run_as_modules():

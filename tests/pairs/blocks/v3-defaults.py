@@ -1048,6 +1048,13 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
         for i in range(len(gate_w)):
             self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
+        # The views and their projections as made, for _moe_rewrite_own_projections (attributes, not submodules)
+        keys = tuple(str(i) for i in range(len(gate_w)))
+        views = [self._modules[key] for key in keys]
+        own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in views]
+        flat = [p for column in own for p in column]
+        made = (keys, views, [view._modules for view in views], own, flat, [p._modules for p in flat])
+        object.__setattr__(self, "_moe_rewrite_made", made)
         self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
 
     def __len__(self):
@@ -1077,15 +1084,18 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
         parameters (parameter_lora.py); None when the loop must run them."""
-        projections = _moe_rewrite_projections(self)
-        # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
-        # as that module, through the loop.
-        intact = all(
-            p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
-            for column in projections
-            for p in column
-        )
-        adapters = _moe_rewrite_adapters(projections) if intact else False
+        if self._moe_rewrite_own_projections():
+            adapters = {}
+        else:
+            projections = _moe_rewrite_projections(self)
+            # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must
+            # run as that module, through the loop.
+            intact = all(
+                p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
+                for column in projections
+                for p in column
+            )
+            adapters = _moe_rewrite_adapters(projections) if intact else False
         fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
         if fused_adapters is False:
             return None
@@ -1097,6 +1107,27 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
             self.act_fn,
             adapters,
         )
+
+    def _moe_rewrite_own_projections(self):
+        """Whether every expert view is in place and holds the projections it was made with, of their own type and
+        with no submodule (PEFT's target_modules put its layer in their place): the usual case, where no expert
+        projection has an adapter. Checked in C loops (map) over the 3 * E modules, not in Python: this runs for every
+        layer and step, and the full check in moe_rewrite_weights costs ~0.2 ms at E = 256 (bench/NOTES.md, change
+        23), this one ~0.04 ms."""
+        import operator
+
+        made = self.__dict__.get("_moe_rewrite_made")
+        if made is None:
+            return False
+        keys, views, view_modules, own, flat, flat_modules = made
+        if list(map(self._modules.get, keys)) != views:
+            return False
+        try:
+            held = list(map(operator.itemgetter(*MOE_REWRITE_PROJECTIONS), view_modules))
+        except KeyError:  # a projection deleted
+            return False
+        types = [_MoeRewriteExpertProjection] * len(flat)
+        return held == own and list(map(type, flat)) == types and not any(map(len, flat_modules))
 
 
 class _MoeRewriteFusedExpert(torch.nn.Module):
@@ -1411,15 +1442,18 @@ def moe_rewrite_weights(self, wrappers=()):
     """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
         LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
         parameters (parameter_lora.py); None when the loop must run them."""
-    projections = _moe_rewrite_projections(self)
-    # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must run
-    # as that module, through the loop.
-    intact = all(
-        p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
-        for column in projections
-        for p in column
-    )
-    adapters = _moe_rewrite_adapters(projections) if intact else False
+    if self._moe_rewrite_own_projections():
+        adapters = {}
+    else:
+        projections = _moe_rewrite_projections(self)
+        # A projection replaced by another module (not this module's view, under PEFT's layer if adapted) must
+        # run as that module, through the loop.
+        intact = all(
+            p is not None and type(p._modules.get("base_layer", p)) is _MoeRewriteExpertProjection
+            for column in projections
+            for p in column
+        )
+        adapters = _moe_rewrite_adapters(projections) if intact else False
     fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
     if fused_adapters is False:
         return None
