@@ -11,6 +11,7 @@ import torch
 
 from .triton_kernels import (
     _moe_rewrite_build_triton,
+    _moe_rewrite_route_rows,
     _moe_rewrite_sum_rows,
     _moe_rewrite_sum_rows_backward,
     _moe_rewrite_swiglu,
@@ -19,7 +20,7 @@ from .triton_kernels import (
 
 # moe-rewrite writes the rewrite's own options here (backend, stacking, version; see moe_rewrite/options.py).
 MOE_REWRITE_OPTIONS = {"version": "template", "backend": "auto", "stacking": "stack"}
-_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels; decided once per process
+_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels, ("sm90", device) -> bool
 _moe_rewrite_settings = {}  # environment variable -> value, read once per process
 
 
@@ -286,12 +287,16 @@ class _MoeRewriteGather(torch.autograd.Function):
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, with_positions):
+def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
     """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
     cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
     (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
     tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; computed `with_positions`, else None)."""
+    permutation, which the Triton kernels read; computed `with_positions`, else None). With `kernels` (the Triton
+    kernels) the same tensors, positions included, come from one launch instead of about ten: the host's time before
+    the first GEMM (bench/NOTES.md, change 24)."""
+    if kernels is not None:
+        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts)
     flat_ids = topk_ids.reshape(-1)
     # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
@@ -318,8 +323,12 @@ def _moe_rewrite_pad_route(route, num_experts):
 
 
 def _moe_rewrite_hopper(device):
-    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above.
+    Asked once per device and kept for the process (it is asked every step)."""
+    key = ("sm90", device)
+    if key not in _moe_rewrite_kernels:
+        _moe_rewrite_kernels[key] = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return _moe_rewrite_kernels[key]
 
 
 def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
@@ -515,7 +524,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
-    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None, kernels=kernels)
     # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
     if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device) and not torch.is_anomaly_enabled():
         route = _moe_rewrite_pad_route(route, num_experts)

@@ -1,13 +1,14 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
 one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the
-un-sort plus weighted sum of each token's top-k expert rows, and that sum's backward. The core uses them where
-`_moe_rewrite_triton(device, dtype)` (grouped_gemm.py) returns them, and runs the same arithmetic as torch ops
-everywhere else.
+un-sort plus weighted sum of each token's top-k expert rows, and that sum's backward; and the route (which rows go to
+which expert, in order) in one launch. The core uses them where `_moe_rewrite_triton(device, dtype)` (grouped_gemm.py)
+returns them, and runs the same arithmetic as torch ops everywhere else.
 """
 
 import torch
 
 MOE_REWRITE_TRITON_BLOCK = 1024  # columns per program (pass): the rows are memory-bound, one block keeps it simple
+MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
 
 
 def _moe_rewrite_build_triton():
@@ -93,7 +94,31 @@ def _moe_rewrite_build_triton():
         if DOT:
             tl.store(per_row + row, tl.sum(dot, axis=0))
 
+    @triton.jit
+    def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
+        """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
+        after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
+        order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
+        program reads all the ids twice (they are few: no atomics, no sort, one launch)."""
+        expert = tl.program_id(0)
+        lower = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            ids_j = tl.load(ids + j, mask=j < rows, other=expert)  # masked-off: counted as neither lower nor hit
+            lower += (ids_j < expert).to(tl.int32)
+        place = tl.sum(lower, axis=0)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            hit = tl.load(ids + j, mask=j < rows, other=-1) == expert
+            at = place + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(order + at, j.to(tl.int64), mask=hit)
+            tl.store(tokens + at, (j // top_k).to(tl.int64), mask=hit)
+            tl.store(positions + j, at.to(tl.int64), mask=hit)
+            place += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(offsets + expert, place)
+
     return {
+        "route": route,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
         "sum_rows": sum_rows,
@@ -103,6 +128,20 @@ def _moe_rewrite_build_triton():
 
 def _moe_rewrite_blocks(columns):
     return -(-columns // MOE_REWRITE_TRITON_BLOCK)
+
+
+def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
+    """(offsets, (order, tokens, positions)) for the routing topk_ids (tokens, top_k), as grouped_gemm's
+    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), in one launch: the host
+    issues one kernel before the first GEMM instead of about ten."""
+    ids = topk_ids.reshape(-1).contiguous()
+    rows = ids.numel()
+    order, tokens, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(3))
+    offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
+    kernels["route"][(num_experts,)](
+        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
+    )
+    return offsets, (order, tokens, positions)
 
 
 def _moe_rewrite_swiglu(kernels, gate_up):

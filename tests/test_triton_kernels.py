@@ -22,10 +22,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton i
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """(device, kernels); on the CPU with 16-column blocks, so that the small rows take several blocks and a ragged
-    last one."""
+    """(device, kernels); on the CPU with 16-column blocks (and 16-row route blocks), so that the small rows take
+    several blocks and a ragged last one."""
     if DEVICE == "cpu":
         monkeypatch.setattr(triton_kernels, "MOE_REWRITE_TRITON_BLOCK", 16)
+        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_ROUTE_BLOCK", 16)
     return DEVICE, triton_kernels._moe_rewrite_build_triton()
 
 
@@ -108,6 +109,28 @@ def test_sum_rows_backward_equals_float64(kernels):
     assert grad_rows.dtype == torch.bfloat16 and torch.allclose(grad_rows.double(), want, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,skew",
+    [(1, 6, 2, False), (0, 4, 2, False), (37, 8, 3, True), (50, 64, 6, False), (29, 256, 8, True)]
+    + ([(4096, 256, 8, False), (8192, 64, 6, True)] if DEVICE == "cuda" else []),  # V3's and Moonlight's on a GPU
+)
+def test_the_route_kernel_gives_the_torch_route(kernels, tokens, experts, top_k, skew):
+    """The route in one launch equals the torch ops' (a stable sort by expert, its inverse, each row's token and the
+    cumulative counts) for a single token, no tokens, rows over several route blocks with a ragged last one, empty
+    experts, and skewed routing (most rows to one expert)."""
+    device, kernels = kernels
+    torch.manual_seed(tokens + experts)
+    ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k]  # top_k distinct experts per token
+    if skew:
+        ids[:, 0] = experts // 2
+        ids[ids >= experts - 2] = experts // 2 + 1  # the last two experts get nothing
+    want_offsets, want = grouped_gemm._moe_rewrite_route(ids, experts, with_positions=True)
+    got_offsets, got = grouped_gemm._moe_rewrite_route(ids.to(device), experts, True, kernels=kernels)
+    assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets.cpu(), want_offsets)
+    for name, a, b in zip(["order", "tokens", "positions"], got, want):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+
+
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, kernels, tokens):
     """The core in float32 with the kernels on against the per-expert float64 reference."""
@@ -181,7 +204,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
     kernels = grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
-    assert sorted(kernels) == ["sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
+    assert sorted(kernels) == ["route", "sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
     assert grouped_gemm._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None

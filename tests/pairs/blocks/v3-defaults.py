@@ -3,7 +3,7 @@
 # ---- moe-rewrite 0.2.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
 # Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
 MOE_REWRITE_OPTIONS = {"version": "0.2.0", "backend": "auto", "stacking": "stack"}
-_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels; decided once per process
+_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels, ("sm90", device) -> bool
 _moe_rewrite_settings = {}  # environment variable -> value, read once per process
 
 
@@ -270,12 +270,16 @@ class _MoeRewriteGather(torch.autograd.Function):
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, with_positions):
+def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
     """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
     cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
     (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
     tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; computed `with_positions`, else None)."""
+    permutation, which the Triton kernels read; computed `with_positions`, else None). With `kernels` (the Triton
+    kernels) the same tensors, positions included, come from one launch instead of about ten: the host's time before
+    the first GEMM (bench/NOTES.md, change 24)."""
+    if kernels is not None:
+        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts)
     flat_ids = topk_ids.reshape(-1)
     # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
@@ -302,8 +306,12 @@ def _moe_rewrite_pad_route(route, num_experts):
 
 
 def _moe_rewrite_hopper(device):
-    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above.
+    Asked once per device and kept for the process (it is asked every step)."""
+    key = ("sm90", device)
+    if key not in _moe_rewrite_kernels:
+        _moe_rewrite_kernels[key] = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return _moe_rewrite_kernels[key]
 
 
 def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
@@ -499,7 +507,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
-    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None)
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None, kernels=kernels)
     # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
     if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device) and not torch.is_anomaly_enabled():
         route = _moe_rewrite_pad_route(route, num_experts)
@@ -560,6 +568,7 @@ def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
 
 
 MOE_REWRITE_TRITON_BLOCK = 1024  # columns per program (pass): the rows are memory-bound, one block keeps it simple
+MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
 
 
 def _moe_rewrite_build_triton():
@@ -645,7 +654,31 @@ def _moe_rewrite_build_triton():
         if DOT:
             tl.store(per_row + row, tl.sum(dot, axis=0))
 
+    @triton.jit
+    def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
+        """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
+        after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
+        order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
+        program reads all the ids twice (they are few: no atomics, no sort, one launch)."""
+        expert = tl.program_id(0)
+        lower = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            ids_j = tl.load(ids + j, mask=j < rows, other=expert)  # masked-off: counted as neither lower nor hit
+            lower += (ids_j < expert).to(tl.int32)
+        place = tl.sum(lower, axis=0)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            hit = tl.load(ids + j, mask=j < rows, other=-1) == expert
+            at = place + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(order + at, j.to(tl.int64), mask=hit)
+            tl.store(tokens + at, (j // top_k).to(tl.int64), mask=hit)
+            tl.store(positions + j, at.to(tl.int64), mask=hit)
+            place += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(offsets + expert, place)
+
     return {
+        "route": route,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
         "sum_rows": sum_rows,
@@ -655,6 +688,20 @@ def _moe_rewrite_build_triton():
 
 def _moe_rewrite_blocks(columns):
     return -(-columns // MOE_REWRITE_TRITON_BLOCK)
+
+
+def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
+    """(offsets, (order, tokens, positions)) for the routing topk_ids (tokens, top_k), as grouped_gemm's
+    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), in one launch: the host
+    issues one kernel before the first GEMM instead of about ten."""
+    ids = topk_ids.reshape(-1).contiguous()
+    rows = ids.numel()
+    order, tokens, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(3))
+    offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
+    kernels["route"][(num_experts,)](
+        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
+    )
+    return offsets, (order, tokens, positions)
 
 
 def _moe_rewrite_swiglu(kernels, gate_up):
