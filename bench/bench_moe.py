@@ -503,12 +503,14 @@ def main():
         del moe, peer, ref, data
         torch.cuda.empty_cache()
 
+    liger_note = []
+    if liger:  # tuned or not: LIGER_FUSED_MOE_AUTOTUNE as liger_fused_moe() left it ("0" unless asked otherwise)
+        tune = os.environ["LIGER_FUSED_MOE_AUTOTUNE"]
+        liger_note = [f"liger-fused_moe: liger-kernel {version('liger-kernel')}, LIGER_FUSED_MOE_AUTOTUNE={tune}"]
     result = record(
         matmul_tflops=round(rate, 1),
         empty_expert_wgrad_ok=empty_ok,
-        notes=notes
-        + ([f"liger-fused_moe: liger-kernel {version('liger-kernel')}, LIGER_FUSED_MOE_AUTOTUNE=0"] if liger else [])
-        + ([f"sonicmoe: sonic-moe {version('sonic-moe')}"] if sonic else []),
+        notes=notes + liger_note + ([f"sonicmoe: sonic-moe {version('sonic-moe')}"] if sonic else []),
         rows=rows,
     )
     (out_dir / f"{args.label}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -27,10 +27,9 @@ def worker(name, index, count):
     os.environ.pop("TRITON_CACHE_AUTOTUNING", None)  # this worker's timings over its share are not the tuning
     import torch
     import triton
+    from bench_moe import CONFIGS
     from liger_kernel.ops import fused_moe_kernels
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-
-    from bench_moe import CONFIGS
 
     for kernel in vars(fused_moe_kernels).values():
         if isinstance(kernel, triton.runtime.autotuner.Autotuner):
