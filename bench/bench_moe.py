@@ -486,7 +486,7 @@ def main():
                 host_ms=round(host_ms, 3),
                 tflops=round(flops / (ms / 1e3) / 1e12, 1),
                 frac_matmul=round(flops / (ms / 1e3) / 1e12 / rate, 3),
-                peak_gb=round(peak, 2),
+                peak_gb=round(peak, 3),
                 kept_gb=round(kept, 3),
                 max_rel_err=float(f"{err:.2e}"),
             )
@@ -527,7 +527,7 @@ def main():
         print(
             f"{r['config']:10} {r['impl']:40} {r['ms']:9.2f} {r['host_ms']:8.2f} {r['tflops']:8.1f} "
             f"{r['frac_matmul']:6.2f} "
-            f"{r['peak_gb']:8.2f} {r['kept_gb']:8.3f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x "
+            f"{r['peak_gb']:8.3f} {r['kept_gb']:8.3f} {r['max_rel_err']:9.1e} {loop / r['ms']:7.1f}x "
             + (f"{hf[0] / r['ms']:5.2f}x" if hf else "    -")
         )
 

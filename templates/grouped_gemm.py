@@ -11,6 +11,7 @@ import torch
 
 from .triton_kernels import (
     _moe_rewrite_build_triton,
+    _moe_rewrite_gather_rows,
     _moe_rewrite_route_rows,
     _moe_rewrite_sum_rows,
     _moe_rewrite_sum_rows_backward,
@@ -237,7 +238,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
         ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *route)
-        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route[1]), stacked, offsets, "fwd")
+        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -254,14 +255,26 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            rows = _moe_rewrite_rows(ctx, x, route[1])
+            rows = _moe_rewrite_rows(ctx, x, route)
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
 
-def _moe_rewrite_rows(ctx, x, tokens):
-    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype."""
-    return x if tokens is None else x.index_select(0, tokens).to(ctx.dtype)
+def _moe_rewrite_rows(ctx, x, route):
+    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype (route: see
+    _moe_rewrite_route), with the Triton kernels in one pass that reads each token's row once."""
+    _, tokens, positions = route
+    if tokens is None:
+        return x
+    return _moe_rewrite_gather(ctx.kernels, x, tokens, positions, ctx.dtype)
+
+
+def _moe_rewrite_gather(kernels, x, tokens, positions, dtype):
+    """x[tokens] in `dtype`: the rows in expert order (padding rows included), through the Triton kernels where they
+    run (each token's row read once, written to its top_k places), else torch's index_select."""
+    if kernels is not None and positions is not None:
+        return _moe_rewrite_gather_rows(kernels, x, positions, tokens.numel(), dtype)
+    return x.index_select(0, tokens).to(dtype)
 
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
@@ -279,7 +292,7 @@ class _MoeRewriteGather(torch.autograd.Function):
     def forward(ctx, x, route, top_k, kernels):
         ctx.save_for_backward(*route)
         ctx.top_k, ctx.kernels = top_k, kernels
-        return x.index_select(0, route[1])
+        return _moe_rewrite_gather(kernels, x, route[1], route[2], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -389,7 +402,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
         order, tokens, positions = route
         kept = _moe_rewrite_kept(stacked, keep_stacked, tensors)
-        ctx.save_for_backward(gate_up, topk_weight, order, tokens, offsets, kept)
+        ctx.save_for_backward(gate_up, topk_weight, order, tokens, positions, offsets, kept)
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
@@ -397,10 +410,10 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gate_up, topk_weight, order, tokens, offsets, stacked = ctx.saved_tensors
+        gate_up, topk_weight, order, tokens, positions, offsets, stacked = ctx.saved_tensors
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
-        grad_rows = grad.to(gate_up.dtype).index_select(0, tokens)
+        grad_rows = _moe_rewrite_gather(kernels, grad, tokens, positions, gate_up.dtype)
         row_weight = _moe_rewrite_row_weights(topk_weight, order, tokens)
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)

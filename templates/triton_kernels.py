@@ -1,8 +1,9 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
-one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the
-un-sort plus weighted sum of each token's top-k expert rows, and that sum's backward; and the route (which rows go to
-which expert, in order) in one launch. The core uses them where `_moe_rewrite_triton(device, dtype)` (grouped_gemm.py)
-returns them, and runs the same arithmetic as torch ops everywhere else.
+one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the un-sort
+plus weighted sum of each token's top-k expert rows, and that sum's backward; the gather of each token's row to its
+top-k places in expert order (a copy); and the route (which rows go to which expert, in order) in one launch. The
+core uses them where `_moe_rewrite_triton(device, dtype)` (grouped_gemm.py) returns them, and runs the same
+arithmetic as torch ops everywhere else.
 """
 
 import torch
@@ -95,6 +96,23 @@ def _moe_rewrite_build_triton():
             tl.store(per_row + row, tl.sum(dot, axis=0))
 
     @triton.jit
+    def gather_rows(x, positions, out, tokens, top_k, real_rows, hidden, BLOCK: tl.constexpr):
+        """out[positions[t * top_k + k]] = x[t] for token t < tokens and each slot k: each token's row read once and
+        written to its top_k places (in token order, not row by row: x's rows are not read top_k times over). A
+        program t >= tokens writes padding row real_rows + t - tokens with token 0's row."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        if token < tokens:
+            value = tl.load(x + token * hidden + cols, mask=mask).to(out.dtype.element_ty)
+            for k in range(top_k):
+                row = tl.load(positions + token * top_k + k).to(tl.int64)
+                tl.store(out + row * hidden + cols, value, mask=mask)
+        else:
+            value = tl.load(x + cols, mask=mask).to(out.dtype.element_ty)
+            tl.store(out + (real_rows + token - tokens) * hidden + cols, value, mask=mask)
+
+    @triton.jit
     def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
         """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
         after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
@@ -119,6 +137,7 @@ def _moe_rewrite_build_triton():
 
     return {
         "route": route,
+        "gather_rows": gather_rows,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
         "sum_rows": sum_rows,
@@ -142,6 +161,22 @@ def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
         ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
     )
     return offsets, (order, tokens, positions)
+
+
+def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype):
+    """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
+    `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
+    _moe_rewrite_pad_route) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    out = x.new_empty(rows, hidden, dtype=dtype)
+    if rows:
+        real = positions.numel()
+        grid = (tokens + rows - real, _moe_rewrite_blocks(hidden))
+        kernels["gather_rows"][grid](
+            x, positions, out, tokens, real // tokens, real, hidden, BLOCK=MOE_REWRITE_TRITON_BLOCK
+        )
+    return out
 
 
 def _moe_rewrite_swiglu(kernels, gate_up):

@@ -109,6 +109,32 @@ def test_sum_rows_backward_equals_float64(kernels):
     assert grad_rows.dtype == torch.bfloat16 and torch.allclose(grad_rows.double(), want, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("tokens,top_k,pad", [(1, 2, 0), (7, 3, 5), (40, 6, 0), (0, 2, 0)])
+def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, top_k, pad):
+    """Each token's row copied to its top_k places in expert order, and token 0's to the padding rows after them,
+    cast to the rows' dtype: bit for bit torch's index_select (a single token, several column blocks with a ragged
+    last one, padding, no tokens)."""
+    device, kernels = kernels
+    _, _, hidden = sizes(device)
+    torch.manual_seed(tokens + pad)
+    x = torch.randn(tokens, hidden, device=device)
+    order = torch.randperm(tokens * top_k, device=device)
+    positions = grouped_gemm._moe_rewrite_positions(order)
+    token_of_row = torch.cat([order // top_k, order.new_zeros(pad)])
+    for dtype in (torch.float32, torch.bfloat16):
+        out = triton_kernels._moe_rewrite_gather_rows(kernels, x, positions, token_of_row.numel(), dtype)
+        want = x.index_select(0, token_of_row).to(dtype)
+        if device == "cpu" and dtype == torch.bfloat16:  # the interpreter rounds to bf16 toward zero (see above)
+            want = x.index_select(0, token_of_row).bfloat16()
+            assert out.dtype == dtype and torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0)
+        else:
+            assert out.dtype == dtype and torch.equal(out, want)
+    assert torch.equal(
+        triton_kernels._moe_rewrite_gather_rows(kernels, x.bfloat16(), positions, token_of_row.numel(), torch.bfloat16),
+        x.bfloat16().index_select(0, token_of_row),
+    )
+
+
 @pytest.mark.parametrize(
     "tokens,experts,top_k,skew",
     [(1, 6, 2, False), (0, 4, 2, False), (37, 8, 3, True), (50, 64, 6, False), (29, 256, 8, True)]
@@ -204,7 +230,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
     kernels = grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
-    assert sorted(kernels) == ["route", "sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
+    assert sorted(kernels) == ["gather_rows", "route", "sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
     assert grouped_gemm._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None

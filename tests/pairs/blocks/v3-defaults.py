@@ -220,7 +220,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
         ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *route)
-        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route[1]), stacked, offsets, "fwd")
+        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -237,14 +237,26 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            rows = _moe_rewrite_rows(ctx, x, route[1])
+            rows = _moe_rewrite_rows(ctx, x, route)
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
 
-def _moe_rewrite_rows(ctx, x, tokens):
-    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype."""
-    return x if tokens is None else x.index_select(0, tokens).to(ctx.dtype)
+def _moe_rewrite_rows(ctx, x, route):
+    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype (route: see
+    _moe_rewrite_route), with the Triton kernels in one pass that reads each token's row once."""
+    _, tokens, positions = route
+    if tokens is None:
+        return x
+    return _moe_rewrite_gather(ctx.kernels, x, tokens, positions, ctx.dtype)
+
+
+def _moe_rewrite_gather(kernels, x, tokens, positions, dtype):
+    """x[tokens] in `dtype`: the rows in expert order (padding rows included), through the Triton kernels where they
+    run (each token's row read once, written to its top_k places), else torch's index_select."""
+    if kernels is not None and positions is not None:
+        return _moe_rewrite_gather_rows(kernels, x, positions, tokens.numel(), dtype)
+    return x.index_select(0, tokens).to(dtype)
 
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
@@ -262,7 +274,7 @@ class _MoeRewriteGather(torch.autograd.Function):
     def forward(ctx, x, route, top_k, kernels):
         ctx.save_for_backward(*route)
         ctx.top_k, ctx.kernels = top_k, kernels
-        return x.index_select(0, route[1])
+        return _moe_rewrite_gather(kernels, x, route[1], route[2], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -372,7 +384,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
         order, tokens, positions = route
         kept = _moe_rewrite_kept(stacked, keep_stacked, tensors)
-        ctx.save_for_backward(gate_up, topk_weight, order, tokens, offsets, kept)
+        ctx.save_for_backward(gate_up, topk_weight, order, tokens, positions, offsets, kept)
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
             return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
@@ -380,10 +392,10 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gate_up, topk_weight, order, tokens, offsets, stacked = ctx.saved_tensors
+        gate_up, topk_weight, order, tokens, positions, offsets, stacked = ctx.saved_tensors
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
-        grad_rows = grad.to(gate_up.dtype).index_select(0, tokens)
+        grad_rows = _moe_rewrite_gather(kernels, grad, tokens, positions, gate_up.dtype)
         row_weight = _moe_rewrite_row_weights(topk_weight, order, tokens)
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
@@ -655,6 +667,23 @@ def _moe_rewrite_build_triton():
             tl.store(per_row + row, tl.sum(dot, axis=0))
 
     @triton.jit
+    def gather_rows(x, positions, out, tokens, top_k, real_rows, hidden, BLOCK: tl.constexpr):
+        """out[positions[t * top_k + k]] = x[t] for token t < tokens and each slot k: each token's row read once and
+        written to its top_k places (in token order, not row by row: x's rows are not read top_k times over). A
+        program t >= tokens writes padding row real_rows + t - tokens with token 0's row."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        if token < tokens:
+            value = tl.load(x + token * hidden + cols, mask=mask).to(out.dtype.element_ty)
+            for k in range(top_k):
+                row = tl.load(positions + token * top_k + k).to(tl.int64)
+                tl.store(out + row * hidden + cols, value, mask=mask)
+        else:
+            value = tl.load(x + cols, mask=mask).to(out.dtype.element_ty)
+            tl.store(out + (real_rows + token - tokens) * hidden + cols, value, mask=mask)
+
+    @triton.jit
     def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
         """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
         after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
@@ -679,6 +708,7 @@ def _moe_rewrite_build_triton():
 
     return {
         "route": route,
+        "gather_rows": gather_rows,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
         "sum_rows": sum_rows,
@@ -702,6 +732,22 @@ def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
         ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
     )
     return offsets, (order, tokens, positions)
+
+
+def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype):
+    """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
+    `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
+    _moe_rewrite_pad_route) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    out = x.new_empty(rows, hidden, dtype=dtype)
+    if rows:
+        real = positions.numel()
+        grid = (tokens + rows - real, _moe_rewrite_blocks(hidden))
+        kernels["gather_rows"][grid](
+            x, positions, out, tokens, real // tokens, real, hidden, BLOCK=MOE_REWRITE_TRITON_BLOCK
+        )
+    return out
 
 
 def _moe_rewrite_swiglu(kernels, gate_up):
