@@ -263,18 +263,18 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
 def _moe_rewrite_rows(ctx, x, route):
     """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype (route: see
     _moe_rewrite_route), with the Triton kernels in one pass that reads each token's row once."""
-    _, tokens, positions = route
-    if tokens is None:
-        return x
-    return _moe_rewrite_gather(ctx.kernels, x, tokens, positions, ctx.dtype)
+    return x if route[1] is None else _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype)
 
 
-def _moe_rewrite_gather(kernels, x, tokens, positions, dtype):
-    """x[tokens] in `dtype`: the rows in expert order (padding rows included), through the Triton kernels where they
-    run (each token's row read once, written to its top_k places), else torch's index_select."""
+def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None):
+    """x[tokens] in `dtype` (route: see _moe_rewrite_route): the rows in expert order, padding rows included, through
+    the Triton kernels where they run (each token's row read once, written to its top_k places), else torch's
+    index_select. With topk_weight: (rows, each row's routing weight), the weights in the same pass."""
+    order, tokens, positions = route
     if kernels is not None and positions is not None:
-        return _moe_rewrite_gather_rows(kernels, x, positions, tokens.numel(), dtype)
-    return x.index_select(0, tokens).to(dtype)
+        return _moe_rewrite_gather_rows(kernels, x, positions, tokens.numel(), dtype, topk_weight)
+    rows = x.index_select(0, tokens).to(dtype)
+    return rows if topk_weight is None else (rows, _moe_rewrite_row_weights(topk_weight, order, tokens))
 
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
@@ -292,7 +292,7 @@ class _MoeRewriteGather(torch.autograd.Function):
     def forward(ctx, x, route, top_k, kernels):
         ctx.save_for_backward(*route)
         ctx.top_k, ctx.kernels = top_k, kernels
-        return _moe_rewrite_gather(kernels, x, route[1], route[2], x.dtype)
+        return _moe_rewrite_gather(kernels, x, route, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -413,8 +413,8 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         gate_up, topk_weight, order, tokens, positions, offsets, stacked = ctx.saved_tensors
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
-        grad_rows = _moe_rewrite_gather(kernels, grad, tokens, positions, gate_up.dtype)
-        row_weight = _moe_rewrite_row_weights(topk_weight, order, tokens)
+        route = (order, tokens, positions)
+        grad_rows, row_weight = _moe_rewrite_gather(kernels, grad, route, gate_up.dtype, topk_weight)
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
         if kernels is not None:

@@ -113,7 +113,8 @@ def test_sum_rows_backward_equals_float64(kernels):
 def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, top_k, pad):
     """Each token's row copied to its top_k places in expert order, and token 0's to the padding rows after them,
     cast to the rows' dtype: bit for bit torch's index_select (a single token, several column blocks with a ragged
-    last one, padding, no tokens)."""
+    last one, padding, no tokens); with the routing weights, each row's weight as _moe_rewrite_row_weights gives it
+    (zero for padding rows)."""
     device, kernels = kernels
     _, _, hidden = sizes(device)
     torch.manual_seed(tokens + pad)
@@ -121,18 +122,21 @@ def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, to
     order = torch.randperm(tokens * top_k, device=device)
     positions = grouped_gemm._moe_rewrite_positions(order)
     token_of_row = torch.cat([order // top_k, order.new_zeros(pad)])
+    gather = triton_kernels._moe_rewrite_gather_rows
     for dtype in (torch.float32, torch.bfloat16):
-        out = triton_kernels._moe_rewrite_gather_rows(kernels, x, positions, token_of_row.numel(), dtype)
+        out = gather(kernels, x, positions, token_of_row.numel(), dtype)
         want = x.index_select(0, token_of_row).to(dtype)
+        assert out.dtype == dtype
         if device == "cpu" and dtype == torch.bfloat16:  # the interpreter rounds to bf16 toward zero (see above)
-            want = x.index_select(0, token_of_row).bfloat16()
-            assert out.dtype == dtype and torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0)
+            assert torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0)
         else:
-            assert out.dtype == dtype and torch.equal(out, want)
-    assert torch.equal(
-        triton_kernels._moe_rewrite_gather_rows(kernels, x.bfloat16(), positions, token_of_row.numel(), torch.bfloat16),
-        x.bfloat16().index_select(0, token_of_row),
-    )
+            assert torch.equal(out, want)
+    rows = x.bfloat16().index_select(0, token_of_row)
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        topk_weight = torch.rand(tokens, top_k, device=device).to(weight_dtype)
+        out, row_weight = gather(kernels, x.bfloat16(), positions, token_of_row.numel(), torch.bfloat16, topk_weight)
+        want_weight = grouped_gemm._moe_rewrite_row_weights(topk_weight, order, token_of_row)
+        assert torch.equal(out, rows) and row_weight.dtype == weight_dtype and torch.equal(row_weight, want_weight)
 
 
 @pytest.mark.parametrize(
