@@ -74,7 +74,8 @@ def kernel_of(modeling, x):
         return kernel(x, x.dtype)
 
 
-RUNTIME_VARIABLES = ("MOE_REWRITE_BACKEND", "MOE_REWRITE_TRITON")  # what a row's env may set for the generated code
+# what a row's env may set for the generated code
+RUNTIME_VARIABLES = ("MOE_REWRITE_BACKEND", "MOE_REWRITE_TRITON", "MOE_REWRITE_TRITON_GEMM")
 
 
 def set_backend(modeling, env):
@@ -422,6 +423,8 @@ def main():
         fused = {"fused": True, "MOE_REWRITE_BACKEND": "torch"}
         impls.append(("moe-rewrite[fused]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), fused))
         no_triton = {**fused, "MOE_REWRITE_TRITON": "0"}  # the same steps as torch ops (what 0.3's first cut ran)
+        torch_gemm = {**fused, "MOE_REWRITE_TRITON_GEMM": "0"}  # torch's GEMMs where the Triton one runs (change 26)
+        impls.append(("moe-rewrite[fused,torch-gemm]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), torch_gemm))
         impls.append(("moe-rewrite[fused,no-triton]", lambda x, i, w, moe=moe: moe_rewrite(moe, x, i, w), no_triton))
         if sonic is not None:  # last: its first call per token count autotunes for minutes (a timeout keeps the rest)
             impls.append(("sonicmoe", None, {}))

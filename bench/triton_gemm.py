@@ -243,7 +243,9 @@ def probe(name, cfg, reps, device):
             variants[str(c)] = lambda c=c, theirs=theirs: theirs(c)
         times = time_variants(variants, reps)
         best = min((t, c) for c, t in times.items() if c != "torch")
-        row = dict(config=name, gemm=gemm, torch_ms=times["torch"], ms=times, rel_err=errors, best=best[1])
+        row = dict(
+            config=name, tokens=cfg["N"], gemm=gemm, torch_ms=times["torch"], ms=times, rel_err=errors, best=best[1]
+        )
         row["best_vs_torch"] = round(times["torch"] / best[0], 3)
         row["rows"], row["max_rows_per_expert"] = real, int(counts.max())
         print(json.dumps(row), flush=True)
@@ -269,15 +271,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="v3,moonlight,seed")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--tokens", type=int, help="tokens per step instead of each config's own")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = parser.parse_args()
     rows = []
     for name in args.configs.split(","):
-        rows += probe(name, b.CONFIGS[name], args.reps, "cuda")
+        cfg = {**b.CONFIGS[name], **({"N": args.tokens} if args.tokens else {})}
+        rows += probe(name, cfg, args.reps, "cuda")
         torch.cuda.empty_cache()
     result = b.record(triton=triton.__version__, rows=rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "triton-gemm.json").write_text(json.dumps(result, indent=1) + "\n")
+    (Path(args.out) / f"triton-gemm{args.tokens or ''}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -105,9 +105,10 @@ def report() -> list[str]:
 
 
 def _elementwise(runtime, device, torch) -> str:
-    """Whether the Triton kernels (templates/triton_kernels.py) run the route, SwiGLU and the weighted un-sort here."""
+    """Whether the Triton kernels (templates/triton_kernels.py) run the route, SwiGLU, the weighted un-sort and (sm90,
+    few rows per expert) the grouped GEMM here."""
     if runtime._moe_rewrite_triton(device, torch.bfloat16) is not None:
-        return "Triton kernels (the route, SwiGLU, its backward, the weighted un-sort)"
+        return "Triton kernels (the route, SwiGLU, its backward, the weighted un-sort; sm90: the grouped GEMM)"
     if runtime._moe_rewrite_setting("MOE_REWRITE_TRITON", "1") == "0":
         return "torch ops (MOE_REWRITE_TRITON=0)"
     return "torch ops (triton is not installed)"

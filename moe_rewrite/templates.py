@@ -23,7 +23,7 @@ from moe_rewrite.options import RewriteOptions
 # Every section, in the order the generated block holds them: name -> what it does, in one sentence.
 SECTIONS = {
     "grouped_gemm": "the grouped-GEMM core: expert MLPs as two grouped GEMMs over tokens sorted by expert (moe_train)",
-    "triton_kernels": "Triton kernels: the route, SwiGLU and its backward, the weighted un-sort (CUDA, with triton)",
+    "triton_kernels": "Triton kernels: the route, SwiGLU, the weighted un-sort, a grouped GEMM (CUDA, with triton)",
     "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
     "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",

@@ -5,7 +5,8 @@ sections it needs and imports nothing from moe-rewrite.
     grouped_gemm       the core: kernel choice, grouped GEMMs, autograd Functions over (E, out, in) weights (the
                        gathered first GEMM, the down GEMM with the weighted combine, the adapters' GEMMs), the
                        per-expert loop fallback; MoE.moe_train
-    triton_kernels     Triton kernels for the core's memory-bound steps (SwiGLU and its backward, weighted un-sort)
+    triton_kernels     Triton kernels for the core's memory-bound steps (the route, the gathers, SwiGLU and its
+                       backward, weighted un-sort) and a grouped GEMM for few rows per expert on sm90
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> (gate_up, down, act_fn)
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained

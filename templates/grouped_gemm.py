@@ -12,6 +12,8 @@ import torch
 from .triton_kernels import (
     _moe_rewrite_build_triton,
     _moe_rewrite_gather_rows,
+    _moe_rewrite_gemm_fits,
+    _moe_rewrite_grouped_mm,
     _moe_rewrite_route_rows,
     _moe_rewrite_sum_rows,
     _moe_rewrite_sum_rows_backward,
@@ -26,7 +28,7 @@ _moe_rewrite_settings = {}  # environment variable -> value, read once per proce
 
 
 def _moe_rewrite_setting(name, default):
-    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_DIRECT_GRADS), read on
+    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_TRITON_GEMM, ...), read on
     first use and kept for the process, so that no training step reads the environment."""
     if name not in _moe_rewrite_settings:
         import os
@@ -174,6 +176,11 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
     """
     if kernel == "torch":
+        if mode != "wgrad" and b.stride(2) == 1:
+            n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
+            kernels = _moe_rewrite_triton(a.device, a.dtype)
+            if kernels is not None and _moe_rewrite_gemm_by_triton(a.device, a.shape[0], b.shape[0], n, k):
+                return _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode)
         if mode == "fwd":
             return torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
         if mode == "dgrad":
@@ -189,7 +196,7 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
             return gg.gmm(a, b, counts)
         return gg.gmm(a, b, counts, trans_a=True)
     # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype. Rows past the last
-    # offset (padding, _moe_rewrite_pad_route) are in no group: zeros out, as the grouped kernels leave them unread.
+    # offset (padding, _moe_rewrite_padding) are in no group: zeros out, as the grouped kernels leave them unread.
     total = int(counts.sum())
     a_parts, padding = a[:total].split(counts.tolist()), a.shape[0] - total
     if mode == "fwd":
@@ -197,6 +204,18 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     if mode == "dgrad":
         return torch.cat([*(part @ w for part, w in zip(a_parts, b)), a.new_zeros(padding, b.shape[2])])
     return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b[:total].split(counts.tolist()))])
+
+
+def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
+    """Whether the Triton grouped GEMM (triton_kernels.py) runs a forward or input-gradient product of `rows` rows
+    over `experts` experts, n wide and k deep, instead of torch._grouped_mm, where the kernel is "torch" (bf16) and
+    the Triton kernels run: on sm90 at no more than 160 rows per expert on average, where torch's CUTLASS tiles read
+    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.14-1.31x at V3's 128 rows per expert,
+    0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the adapters').
+    MOE_REWRITE_TRITON_GEMM=0 keeps torch's."""
+    if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
+        return False
+    return _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0"
 
 
 class _MoeRewriteExpertWeight:
@@ -255,7 +274,11 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            rows = _moe_rewrite_rows(ctx, x, route)
+            # The weight gradient reads no padding row (its offsets end at the real rows, and its tile does not
+            # depend on them): x's rows are gathered without them, less memory at the step's peak.
+            order, tokens, positions = route
+            rows = _moe_rewrite_rows(ctx, x, route if tokens is None else (order, tokens[: order.numel()], positions))
+            grad = grad[: rows.shape[0]]
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
@@ -300,16 +323,17 @@ class _MoeRewriteGather(torch.autograd.Function):
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
+def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None, padding=0):
     """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
     cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
     (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
     tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; computed `with_positions`, else None). With `kernels` (the Triton
-    kernels) the same tensors, positions included, come from one launch instead of about ten: the host's time before
-    the first GEMM (bench/NOTES.md, change 24)."""
+    permutation, which the Triton kernels read; computed `with_positions`, else None). `padding` more tokens (token
+    0, rows in no expert's group: _moe_rewrite_padding) follow the sorted rows' ones. With `kernels` (the Triton
+    kernels) the same tensors, positions and padding included, come from one launch instead of about ten: the host's
+    time before the first GEMM (bench/NOTES.md, changes 24 and 26)."""
     if kernels is not None:
-        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts)
+        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding)
     flat_ids = topk_ids.reshape(-1)
     # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
@@ -317,22 +341,22 @@ def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
     experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     positions = _moe_rewrite_positions(order) if with_positions else None
-    return offsets, (order, order // topk_ids.shape[1], positions)
+    tokens = order // topk_ids.shape[1]
+    if padding:
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+    return offsets, (order, tokens, positions)
 
 
-def _moe_rewrite_pad_route(route, num_experts):
-    """The route with padding rows (token 0, in no expert's group) after the last sorted row, where they make
-    torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128 a
+def _moe_rewrite_padding(rows, num_experts):
+    """How many padding rows (token 0, in no expert's group) after the last sorted one make torch._grouped_mm take
+    its large tile for `rows` routed rows. On sm90 it picks its tile from the average rows per group: up to 128 a
     64 x 128 one, above 128 x 256 (SonicMoE's tuned choice at V3's sizes, whose routing at 4096 tokens has exactly 128
     rows per expert on average). Rows past the last offset are never read or written by the GEMMs, and the un-sort and
     token sums read rows by position, so the padding changes no number (LoRA dropout draws its masks over the padding
-    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows (bench/NOTES.md,
-    change 22)."""
-    order, tokens, positions = route
-    pad = 129 * num_experts - tokens.numel()
-    if pad <= 0 or pad > tokens.numel() // 8:
-        return route
-    return order, torch.cat([tokens, tokens.new_zeros(pad)]), positions
+    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows, else 0
+    (bench/NOTES.md, change 22)."""
+    pad = 129 * num_experts - rows
+    return pad if 0 < pad <= rows // 8 else 0
 
 
 def _moe_rewrite_hopper(device):
@@ -356,7 +380,7 @@ def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
 
 def _moe_rewrite_unsort(rows, order, dtype=None):
     """Rows in expert order back to (token, slot) order, in `dtype` (rows' by default): a permutation, so no atomics
-    and a deterministic result; padding rows past the real ones (_moe_rewrite_pad_route) are dropped."""
+    and a deterministic result; padding rows past the real ones (_moe_rewrite_padding) are dropped."""
     rows = rows[: order.numel()]
     return torch.empty_like(rows, dtype=dtype).index_copy_(0, order, rows.to(dtype or rows.dtype))
 
@@ -507,7 +531,7 @@ class _MoeRewriteCombine(torch.autograd.Function):
 
 
 def _moe_rewrite_row_weights(topk_weight, order, tokens):
-    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_pad_route:
+    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_padding:
     a weight for the kernels to read, whose products reach no expert and no token)."""
     row_weight = topk_weight.reshape(-1)[order]
     if tokens.numel() > order.numel():
@@ -537,10 +561,13 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
-    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None, kernels=kernels)
     # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
-    if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device) and not torch.is_anomaly_enabled():
-        route = _moe_rewrite_pad_route(route, num_experts)
+    padded = kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device)
+    if padded:  # for torch's GEMMs, not the Triton one (the first GEMM's shapes decide)
+        _, double, hidden = gate_up_w.shape
+        padded = not _moe_rewrite_gemm_by_triton(x.device, topk_ids.numel(), num_experts, double, hidden)
+    padding = _moe_rewrite_padding(topk_ids.numel(), num_experts) if padded and not torch.is_anomaly_enabled() else 0
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, kernels is not None, kernels, padding)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -1,15 +1,19 @@
 """Triton kernels for the grouped-GEMM core's memory-bound steps on CUDA, each one pass over its rows in float32 with
 one rounding at the end: SwiGLU (silu(gate) * up), its backward fused with the routing weights' gradient, the un-sort
 plus weighted sum of each token's top-k expert rows, and that sum's backward; the gather of each token's row to its
-top-k places in expert order (a copy); and the route (which rows go to which expert, in order) in one launch. The
-core uses them where `_moe_rewrite_triton(device, dtype)` (grouped_gemm.py) returns them, and runs the same
-arithmetic as torch ops everywhere else.
+top-k places in expert order (a copy); and the route (which rows go to which expert, in order) in one launch. Also
+a grouped GEMM (forward and input-gradient products) that runs its tiles expert by expert, for few rows per expert on
+sm90. The core uses them where `_moe_rewrite_triton(device, dtype)` (grouped_gemm.py) returns them, and runs the
+same arithmetic as torch ops everywhere else.
 """
 
 import torch
 
 MOE_REWRITE_TRITON_BLOCK = 1024  # columns per program (pass): the rows are memory-bound, one block keeps it simple
 MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
+# The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
+# V3's sizes on an H200 (bench/NOTES.md, change 26)
+MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
 
 
 def _moe_rewrite_build_triton():
@@ -131,12 +135,16 @@ def _moe_rewrite_build_triton():
                 tl.store(row_weight + row, tl.zeros([], dtype=row_weight.dtype.element_ty))
 
     @triton.jit
-    def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
+    def route(ids, order, tokens, positions, offsets, rows, top_k, padding, BLOCK: tl.constexpr):
         """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
         after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
         order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
-        program reads all the ids twice (they are few: no atomics, no sort, one launch)."""
+        program reads all the ids twice (they are few: no atomics, no sort, one launch). The `padding` entries of
+        tokens after the rows' get token 0, a share of them from each program."""
         expert = tl.program_id(0)
+        for start in range(expert * BLOCK, padding, tl.num_programs(0) * BLOCK):
+            pad = start + tl.arange(0, BLOCK)
+            tl.store(tokens + rows + pad, tl.zeros([BLOCK], dtype=tl.int64), mask=pad < padding)
         lower = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, rows, BLOCK):
             j = start + tl.arange(0, BLOCK)
@@ -153,8 +161,60 @@ def _moe_rewrite_build_triton():
             place += tl.sum(hit.to(tl.int32), axis=0)
         tl.store(offsets + expert, place)
 
+    @triton.jit
+    def grouped_mm(
+        a,
+        b,
+        out,
+        offsets,
+        experts,
+        n,
+        k,
+        b_expert_stride,
+        b_n_stride,
+        b_k_stride,
+        EXPERTS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """out[r] = a[r] @ b[e]^T for the rows r of expert e (offsets: the cumulative rows per expert), b[e] read as
+        (n, k) through its strides; a (rows, k) and out (rows, n) contiguous, k a multiple of BK. Program p takes the
+        p-th (BM x BN) tile in the order (expert, column strip, row tile), counted from the offsets here (no host
+        work): an expert's row tiles of one weight strip run side by side and read it from HBM once (bench/NOTES.md,
+        change 26). Programs past the last tile return; rows past the last offset are neither read nor written."""
+        pid = tl.program_id(0)
+        e_all = tl.arange(0, EXPERTS)
+        ends = tl.load(offsets + e_all, mask=e_all < experts, other=0)
+        starts = tl.load(offsets + e_all - 1, mask=(e_all > 0) & (e_all < experts), other=0)
+        row_tiles = (ends - starts + BM - 1) // BM
+        tiles = row_tiles * tl.cdiv(n, BN)
+        last = tl.cumsum(tiles, 0)
+        if pid < tl.sum(tiles, 0):
+            e = tl.sum((last <= pid).to(tl.int32), 0)  # the first expert whose tiles end after p
+            mine = e_all == e
+            local = pid - tl.sum(tl.where(mine, last - tiles, 0), 0)
+            its_row_tiles = tl.sum(tl.where(mine, row_tiles, 0), 0)
+            rows = tl.sum(tl.where(mine, starts, 0), 0) + (local % its_row_tiles) * BM + tl.arange(0, BM)
+            in_rows = rows < tl.sum(tl.where(mine, ends, 0), 0)
+            cols = (local // its_row_tiles) * BN + tl.arange(0, BN)
+            in_cols = cols[None, :] < n
+            ks = tl.arange(0, BK)
+            a_at = a + tl.where(in_rows, rows, 0).to(tl.int64)[:, None] * k + ks[None, :]
+            b_at = b + e.to(tl.int64) * b_expert_stride + cols[None, :] * b_n_stride + ks[:, None] * b_k_stride
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for _ in range(0, k, BK):
+                a_tile = tl.load(a_at, mask=in_rows[:, None], other=0.0)
+                b_tile = tl.load(b_at, mask=in_cols, other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_at += BK
+                b_at += BK * b_k_stride
+            at = out + rows.to(tl.int64)[:, None] * n + cols[None, :]
+            tl.store(at, acc.to(out.dtype.element_ty), mask=in_rows[:, None] & in_cols)
+
     return {
         "route": route,
+        "grouped_mm": grouped_mm,
         "gather_rows": gather_rows,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
@@ -163,20 +223,62 @@ def _moe_rewrite_build_triton():
     }
 
 
+def _moe_rewrite_gemm_fits(n, k):
+    """Whether the grouped GEMM's tile fits a product n wide and k deep: at least one tile wide, whole tiles deep."""
+    _, bn, bk, _, _ = MOE_REWRITE_GEMM_TILE
+    return n >= bn and k % bk == 0
+
+
+def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
+    """grouped_gemm._moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
+    for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
+    torch._grouped_mm gives, those past the last offset left unwritten as there."""
+    bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
+    a = a.contiguous()
+    experts = b.shape[0]
+    if mode == "fwd":
+        n, b_n_stride, b_k_stride = b.shape[1], b.stride(1), b.stride(2)
+    else:
+        n, b_n_stride, b_k_stride = b.shape[2], b.stride(2), b.stride(1)
+    out = a.new_empty(a.shape[0], n)
+    tiles = (-(-a.shape[0] // bm) + experts) * -(-n // bn)  # at least every expert's tiles
+    if a.shape[0] and tiles:
+        kernels["grouped_mm"][(tiles,)](
+            a,
+            b,
+            out,
+            offsets,
+            experts,
+            n,
+            a.shape[1],
+            b.stride(0),
+            b_n_stride,
+            b_k_stride,
+            EXPERTS=1 << max(experts - 1, 0).bit_length(),
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            num_warps=warps,
+            num_stages=stages,
+        )
+    return out
+
+
 def _moe_rewrite_blocks(columns):
     return -(-columns // MOE_REWRITE_TRITON_BLOCK)
 
 
-def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
+def _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding=0):
     """(offsets, (order, tokens, positions)) for the routing topk_ids (tokens, top_k), as grouped_gemm's
-    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), in one launch: the host
-    issues one kernel before the first GEMM instead of about ten."""
+    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), `padding` zeros after
+    the tokens included, in one launch: the host issues one kernel before the first GEMM instead of about ten."""
     ids = topk_ids.reshape(-1).contiguous()
     rows = ids.numel()
-    order, tokens, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(3))
+    order, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(2))
+    tokens = torch.empty(rows + padding, device=ids.device, dtype=torch.int64)
     offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
     kernels["route"][(num_experts,)](
-        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
+        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], padding, BLOCK=MOE_REWRITE_ROUTE_BLOCK
     )
     return offsets, (order, tokens, positions)
 
@@ -184,7 +286,7 @@ def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
 def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight=None):
     """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
     `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
-    _moe_rewrite_pad_route) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
+    _moe_rewrite_padding) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
     With topk_weight (tokens, top_k): (rows, row_weight), each row's routing weight in the same pass (zero for
     padding rows), as grouped_gemm's _moe_rewrite_row_weights gives them."""
     x = x.contiguous()

@@ -27,6 +27,7 @@ def kernels(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setattr(triton_kernels, "MOE_REWRITE_TRITON_BLOCK", 16)
         monkeypatch.setattr(triton_kernels, "MOE_REWRITE_ROUTE_BLOCK", 16)
+        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_GEMM_TILE", (16, 32, 16, 4, 1))
     return DEVICE, triton_kernels._moe_rewrite_build_triton()
 
 
@@ -147,18 +148,151 @@ def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, to
 def test_the_route_kernel_gives_the_torch_route(kernels, tokens, experts, top_k, skew):
     """The route in one launch equals the torch ops' (a stable sort by expert, its inverse, each row's token and the
     cumulative counts) for a single token, no tokens, rows over several route blocks with a ragged last one, empty
-    experts, and skewed routing (most rows to one expert)."""
+    experts, and skewed routing (most rows to one expert); with padding tokens too (token 0 after the rows': fewer
+    than one per program, and more than a block per program)."""
     device, kernels = kernels
     torch.manual_seed(tokens + experts)
     ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k]  # top_k distinct experts per token
     if skew:
         ids[:, 0] = experts // 2
         ids[ids >= experts - 2] = experts // 2 + 1  # the last two experts get nothing
-    want_offsets, want = grouped_gemm._moe_rewrite_route(ids, experts, with_positions=True)
-    got_offsets, got = grouped_gemm._moe_rewrite_route(ids.to(device), experts, True, kernels=kernels)
-    assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets.cpu(), want_offsets)
-    for name, a, b in zip(["order", "tokens", "positions"], got, want):
-        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+    for padding in (0, 3, 2 * experts * triton_kernels.MOE_REWRITE_ROUTE_BLOCK + 5):
+        want_offsets, want = grouped_gemm._moe_rewrite_route(ids, experts, True, padding=padding)
+        poisoned = torch.full((tokens * top_k + padding,), -1, dtype=torch.int64, device=device)
+        del poisoned  # the allocator hands its block to the route: unwritten padding would show as -1
+        got_offsets, got = grouped_gemm._moe_rewrite_route(ids.to(device), experts, True, kernels, padding)
+        assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets.cpu(), want_offsets)
+        for name, a, b in zip(["order", "tokens", "positions"], got, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+        assert want[1].numel() == tokens * top_k + padding and not want[1][tokens * top_k :].any()
+
+
+@pytest.mark.parametrize("mode", ["fwd", "dgrad"])
+@pytest.mark.parametrize(
+    "counts,n",
+    [
+        ([0, 7, 40, 3, 0], 64),  # empty experts first and last, an expert over several row tiles, a ragged tile
+        ([1], 40),  # one row; a ragged column strip
+        ([0, 0, 0], 32),  # no rows
+        ([5] * 3 + [0] * 2 + [33] * 2, 96),  # 7 experts (not a power of two)
+    ],
+)
+def test_the_grouped_gemm_kernel_gives_each_experts_product(kernels, mode, counts, n):
+    """The Triton grouped GEMM against the per-expert products in float64, in float32 on the CPU (the interpreter's
+    dot) and bf16 on a GPU; rows past the last offset (padding) are left as they were (unwritten)."""
+    device, kernels = kernels
+    torch.manual_seed(len(counts) + n)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    k = 48 if device == "cpu" else 256
+    if device == "cuda":
+        n *= 8
+    experts, rows, pad = len(counts), sum(counts), 3
+    offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
+    a = torch.randn(rows + pad, k, device=device, dtype=dtype)
+    b = torch.randn(experts, *((n, k) if mode == "fwd" else (k, n)), device=device, dtype=dtype)  # a @ b[e]^T, a @ b[e]
+    got = triton_kernels._moe_rewrite_grouped_mm(kernels, a, b, offsets, mode)
+    assert got.shape == (rows + pad, n) and got.dtype == dtype
+    start = 0
+    for e, count in enumerate(counts):
+        w = b[e].double()
+        want = a[start : start + count].double() @ (w.t() if mode == "fwd" else w)
+        rtol = 1e-2 if device == "cuda" else 1e-5
+        assert torch.allclose(got[start : start + count].double(), want, atol=1e-4, rtol=rtol), e
+        start += count
+
+
+def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypatch, kernels):
+    """_moe_rewrite_gmm("torch", ...) runs the Triton grouped GEMM for the forward and input-gradient products on sm90
+    at no more than 160 rows per expert, one tile wide and whole tiles deep; torch._grouped_mm for the weight
+    gradient, above 160 rows per expert, a ragged depth or a narrow product (the adapters'), off sm90, and with
+    MOE_REWRITE_TRITON_GEMM=0. Both give the same rows."""
+    device, kernels = kernels
+    ran = []
+    grouped_mm = grouped_gemm._moe_rewrite_grouped_mm
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
+    hopper = [True]
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: hopper[0])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bn, bk = triton_kernels.MOE_REWRITE_GEMM_TILE[1:3]
+
+    def product(rows, n, k, mode, experts=4):
+        counts = torch.full((experts,), rows // experts)
+        offsets = counts.cumsum(0).to(device, torch.int32)
+        a = torch.randn(rows, k, device=device, dtype=dtype)  # n wide, k deep: a @ b[e]^T, a @ b[e], a^T @ b
+        shape = {"fwd": (experts, n, k), "dgrad": (experts, k, n), "wgrad": (rows, n)}[mode]
+        b = torch.randn(shape, device=device, dtype=dtype)
+        ran.clear()
+        got = grouped_gemm._moe_rewrite_gmm("torch", a, b, offsets, mode)
+        if ran and mode != "wgrad":
+            want = grouped_gemm._moe_rewrite_gmm("sorted", a, b, offsets, mode)
+            assert torch.allclose(got.double(), want.double(), atol=1e-3, rtol=1e-2), mode
+        return bool(ran)
+
+    assert product(4 * 160, bn, 2 * bk, "fwd") and product(4 * 3, 2 * bn, bk, "dgrad")
+    assert not product(4 * 161, bn, bk, "fwd")  # many rows per expert
+    assert not product(8, bn, bk + 8, "fwd") and not product(8, bn - 8, bk, "fwd")  # ragged depth, narrow
+    assert not product(8, bn, bk, "wgrad")
+    hopper[0] = False
+    assert not product(8, bn, bk, "fwd")
+    hopper[0] = True
+    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
+    assert not product(8, bn, bk, "fwd")
+
+
+@pytest.mark.parametrize("adapted", [False, True])
+def test_the_expert_mlp_on_the_grouped_gemm_kernel_equals_torchs(monkeypatch, kernels, adapted):
+    """The core with kernel "torch" as on an sm90 GPU: its four forward and input-gradient products run the Triton
+    grouped GEMM and nothing is padded; the output and every gradient equal the same core's on torch._grouped_mm
+    (MOE_REWRITE_TRITON_GEMM=0) and, without adapters, the per-expert float64 reference. With LoRA on the down
+    projection the adapters' rank-8 products stay torch's."""
+    device, kernels = kernels
+    ran, paddings = [], []
+    grouped_mm, padding = grouped_gemm._moe_rewrite_grouped_mm, grouped_gemm._moe_rewrite_padding
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
+    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_padding", lambda *a: paddings.append(a) or padding(*a))
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden, inter, tokens = (32, 32, 20) if device == "cpu" else (512, 256, 300)
+    moe = tiny_moe("fused", experts=6, hidden=hidden, inter=inter)
+    moe.experts.act_fn = torch.nn.SiLU()
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    ids, w = routing(tokens, 6, 2)
+    probe = torch.randn(tokens, hidden, dtype=torch.float64)
+    lora = [torch.randn(6, 8, inter) * 0.1, torch.randn(6, hidden, 8) * 0.1] if adapted else []
+
+    def step(moe, x, w, lora):
+        leaves = [x.detach().requires_grad_(True), w.detach().requires_grad_(True), *moe.parameters()]
+        leaves += [t.detach().requires_grad_(True) for t in lora]
+        source = grouped_gemm._MoeRewriteExpertWeight
+        adapters = {"down_proj": ((source(leaves[-2]), source(leaves[-1]), 0.5, torch.nn.Identity()),)} if lora else {}
+        gate_up_w, down_w, act_fn, _ = moe.moe_rewrite_expert_weights()
+        weights = (gate_up_w, down_w, act_fn, adapters)
+        y = grouped_gemm._moe_rewrite_grouped_experts(
+            leaves[0], ids.to(x.device), leaves[1], weights, 6, "torch", x.dtype, None
+        )
+        grads = torch.autograd.grad((y.double() * probe.to(y.device)).sum(), leaves)
+        return [t.detach().cpu().double() for t in (y, *grads)]
+
+    args = (x.to(device, dtype), w.to(device, torch.float32), [t.to(device, dtype) for t in lora])
+    got = step(moe.to(device, dtype), *args)
+    assert sorted(ran) == ["dgrad", "dgrad", "fwd", "fwd"] and not paddings  # (no padding asked for)
+    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
+    ran.clear()
+    want = step(moe, *args)
+    assert not ran
+    names = ["output", "x", "routing weights", "gate_up_proj", "down_proj", "lora A", "lora B"]
+    for name, a, b in zip(names[: len(got)], got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5 if device == "cpu" else 1e-2), name
+    if not adapted:  # and the per-expert reference
+        moe = moe.double().cpu()
+        leaves = [x.detach().requires_grad_(True), w.detach().requires_grad_(True), *moe.parameters()]
+        y = reference(moe.experts, leaves[0], ids, leaves[1])
+        ref = [y.detach(), *torch.autograd.grad((y * probe).sum(), leaves)]
+        for name, a, b in zip(names, got, ref):
+            assert (a - b).norm() <= (1e-5 if device == "cpu" else 1e-2) * b.norm(), name
 
 
 @pytest.mark.parametrize("tokens", [1, 11])
@@ -234,7 +368,15 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
     kernels = grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
-    assert sorted(kernels) == ["gather_rows", "route", "sum_rows", "sum_rows_backward", "swiglu", "swiglu_backward"]
+    assert sorted(kernels) == [
+        "gather_rows",
+        "grouped_mm",
+        "route",
+        "sum_rows",
+        "sum_rows_backward",
+        "swiglu",
+        "swiglu_backward",
+    ]
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
     assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
     assert grouped_gemm._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None
@@ -295,16 +437,11 @@ def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
         (8 * 128, 8 * 129),
         (8 * 115, 8 * 129),
         (8 * 129 - 1, 8 * 129),
-        (8 * 114, None),
-        (8 * 129, None),
+        (8 * 114, 8 * 114),
+        (8 * 129, 8 * 129),
+        (256 * 128, 256 * 129),  # V3 at 4096 tokens
     ]:
-        route = (torch.arange(rows), torch.arange(rows) // 2, None)
-        order, tokens, _ = grouped_gemm._moe_rewrite_pad_route(route, 8)
-        assert order is route[0]
-        if padded is None:
-            assert tokens is route[1]
-        else:
-            assert tokens.numel() == padded and torch.equal(tokens[:rows], route[1]) and not tokens[rows:].any()
+        assert rows + grouped_gemm._moe_rewrite_padding(rows, rows // 128 if rows == 256 * 128 else 8) == padded
 
 
 @pytest.mark.parametrize(
@@ -335,10 +472,14 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     # torch._grouped_mm (bf16 on a GPU, 16-byte aligned rows; float32 on the CPU, where torch has one too), whose
     # outputs past the last group are left unwritten: NaN here, so that a padding row read anywhere shows
     monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
+    # torch's GEMMs, whose tile the padding is for (the Triton grouped GEMM's would take these products)
+    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
     gmm = grouped_gemm._moe_rewrite_gmm
 
     def unwritten_padding(kernel, a, b, offsets, mode):
         out = gmm(kernel, a, b, offsets, mode)
+        if mode == "wgrad":
+            wgrad_rows.append(b.shape[0])
         if mode != "wgrad":
             out[offsets[-1] :] = float("nan")
         return out
@@ -378,30 +519,34 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     x = torch.randn(tokens, 32, device=device, dtype=dtype)
     probe = torch.randn(tokens, 32, device=device)
     ids, w = ids.to(device), w.to(device, torch.float32)
-    padded = []
-    pad_route = grouped_gemm._moe_rewrite_pad_route
+    padded, wgrad_rows = [], []
+    padding = grouped_gemm._moe_rewrite_padding
 
     def step(pad):
-        def route(route, experts):
-            out = pad_route(route, experts) if pad else route
-            padded.append(out[1].numel())
+        def padding_of(rows, experts):
+            out = padding(rows, experts) if pad else 0
+            padded.append(rows + out)
             return out
 
-        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_pad_route", route)
+        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_padding", padding_of)
         calls.clear()
+        wgrad_rows.clear()
         leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters(), *lora]
         weights = (gate_up_w, down_w, act_fn, adapters)
         y = grouped_gemm._moe_rewrite_grouped_experts(leaves[0], ids, leaves[1], weights, 4, "torch", dtype, None)
         return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), leaves)]
 
-    got, want = step(True), step(False)
+    got = step(True)
+    if not adapted:  # the down projection's weight gradient reads the padded rows, gate_up's x's rows without them
+        assert wgrad_rows == [516, 464]
+    want = step(False)
     assert padded == [516, 464]
     if not adapted and x_kernels and act == "silu":
         with torch.autograd.set_detect_anomaly(True):  # which checks every gradient row for NaN: no padding then
             step(True)
         assert padded[-1] == 464
     names = ["output", "x", "routing weights", "gate_up_proj", "down_proj", *(f"lora {i}" for i in range(len(lora)))]
-    for name, a, b in zip(names, got, want, strict=True):
+    for name, a, b in zip(names[: len(got)], got, want, strict=True):
         if device == "cpu":
             assert torch.equal(a, b), name
         else:  # the GPU's two tiles may accumulate in another order

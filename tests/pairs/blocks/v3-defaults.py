@@ -8,7 +8,7 @@ _moe_rewrite_settings = {}  # environment variable -> value, read once per proce
 
 
 def _moe_rewrite_setting(name, default):
-    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_DIRECT_GRADS), read on
+    """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_TRITON_GEMM, ...), read on
     first use and kept for the process, so that no training step reads the environment."""
     if name not in _moe_rewrite_settings:
         import os
@@ -156,6 +156,11 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
     """
     if kernel == "torch":
+        if mode != "wgrad" and b.stride(2) == 1:
+            n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
+            kernels = _moe_rewrite_triton(a.device, a.dtype)
+            if kernels is not None and _moe_rewrite_gemm_by_triton(a.device, a.shape[0], b.shape[0], n, k):
+                return _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode)
         if mode == "fwd":
             return torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)
         if mode == "dgrad":
@@ -171,7 +176,7 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
             return gg.gmm(a, b, counts)
         return gg.gmm(a, b, counts, trans_a=True)
     # "sorted": one pass over contiguous per-expert slices; portable to any device and dtype. Rows past the last
-    # offset (padding, _moe_rewrite_pad_route) are in no group: zeros out, as the grouped kernels leave them unread.
+    # offset (padding, _moe_rewrite_padding) are in no group: zeros out, as the grouped kernels leave them unread.
     total = int(counts.sum())
     a_parts, padding = a[:total].split(counts.tolist()), a.shape[0] - total
     if mode == "fwd":
@@ -179,6 +184,18 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     if mode == "dgrad":
         return torch.cat([*(part @ w for part, w in zip(a_parts, b)), a.new_zeros(padding, b.shape[2])])
     return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b[:total].split(counts.tolist()))])
+
+
+def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
+    """Whether the Triton grouped GEMM (triton_kernels.py) runs a forward or input-gradient product of `rows` rows
+    over `experts` experts, n wide and k deep, instead of torch._grouped_mm, where the kernel is "torch" (bf16) and
+    the Triton kernels run: on sm90 at no more than 160 rows per expert on average, where torch's CUTLASS tiles read
+    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.14-1.31x at V3's 128 rows per expert,
+    0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the adapters').
+    MOE_REWRITE_TRITON_GEMM=0 keeps torch's."""
+    if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
+        return False
+    return _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0"
 
 
 class _MoeRewriteExpertWeight:
@@ -237,7 +254,11 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
-            rows = _moe_rewrite_rows(ctx, x, route)
+            # The weight gradient reads no padding row (its offsets end at the real rows, and its tile does not
+            # depend on them): x's rows are gathered without them, less memory at the step's peak.
+            order, tokens, positions = route
+            rows = _moe_rewrite_rows(ctx, x, route if tokens is None else (order, tokens[: order.numel()], positions))
+            grad = grad[: rows.shape[0]]
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
@@ -282,16 +303,17 @@ class _MoeRewriteGather(torch.autograd.Function):
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
+def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None, padding=0):
     """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
     cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
     (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
     tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; computed `with_positions`, else None). With `kernels` (the Triton
-    kernels) the same tensors, positions included, come from one launch instead of about ten: the host's time before
-    the first GEMM (bench/NOTES.md, change 24)."""
+    permutation, which the Triton kernels read; computed `with_positions`, else None). `padding` more tokens (token
+    0, rows in no expert's group: _moe_rewrite_padding) follow the sorted rows' ones. With `kernels` (the Triton
+    kernels) the same tensors, positions and padding included, come from one launch instead of about ten: the host's
+    time before the first GEMM (bench/NOTES.md, changes 24 and 26)."""
     if kernels is not None:
-        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts)
+        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding)
     flat_ids = topk_ids.reshape(-1)
     # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
     key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
@@ -299,22 +321,22 @@ def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None):
     experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     positions = _moe_rewrite_positions(order) if with_positions else None
-    return offsets, (order, order // topk_ids.shape[1], positions)
+    tokens = order // topk_ids.shape[1]
+    if padding:
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+    return offsets, (order, tokens, positions)
 
 
-def _moe_rewrite_pad_route(route, num_experts):
-    """The route with padding rows (token 0, in no expert's group) after the last sorted row, where they make
-    torch._grouped_mm take its large tile. On sm90 it picks its tile from the average rows per group: up to 128 a
+def _moe_rewrite_padding(rows, num_experts):
+    """How many padding rows (token 0, in no expert's group) after the last sorted one make torch._grouped_mm take
+    its large tile for `rows` routed rows. On sm90 it picks its tile from the average rows per group: up to 128 a
     64 x 128 one, above 128 x 256 (SonicMoE's tuned choice at V3's sizes, whose routing at 4096 tokens has exactly 128
     rows per expert on average). Rows past the last offset are never read or written by the GEMMs, and the un-sort and
     token sums read rows by position, so the padding changes no number (LoRA dropout draws its masks over the padding
-    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows (bench/NOTES.md,
-    change 22)."""
-    order, tokens, positions = route
-    pad = 129 * num_experts - tokens.numel()
-    if pad <= 0 or pad > tokens.numel() // 8:
-        return route
-    return order, torch.cat([tokens, tokens.new_zeros(pad)]), positions
+    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows, else 0
+    (bench/NOTES.md, change 22)."""
+    pad = 129 * num_experts - rows
+    return pad if 0 < pad <= rows // 8 else 0
 
 
 def _moe_rewrite_hopper(device):
@@ -338,7 +360,7 @@ def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
 
 def _moe_rewrite_unsort(rows, order, dtype=None):
     """Rows in expert order back to (token, slot) order, in `dtype` (rows' by default): a permutation, so no atomics
-    and a deterministic result; padding rows past the real ones (_moe_rewrite_pad_route) are dropped."""
+    and a deterministic result; padding rows past the real ones (_moe_rewrite_padding) are dropped."""
     rows = rows[: order.numel()]
     return torch.empty_like(rows, dtype=dtype).index_copy_(0, order, rows.to(dtype or rows.dtype))
 
@@ -489,7 +511,7 @@ class _MoeRewriteCombine(torch.autograd.Function):
 
 
 def _moe_rewrite_row_weights(topk_weight, order, tokens):
-    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_pad_route:
+    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_padding:
     a weight for the kernels to read, whose products reach no expert and no token)."""
     row_weight = topk_weight.reshape(-1)[order]
     if tokens.numel() > order.numel():
@@ -519,10 +541,13 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
-    offsets, route = _moe_rewrite_route(topk_ids, num_experts, with_positions=kernels is not None, kernels=kernels)
     # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
-    if kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device) and not torch.is_anomaly_enabled():
-        route = _moe_rewrite_pad_route(route, num_experts)
+    padded = kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device)
+    if padded:  # for torch's GEMMs, not the Triton one (the first GEMM's shapes decide)
+        _, double, hidden = gate_up_w.shape
+        padded = not _moe_rewrite_gemm_by_triton(x.device, topk_ids.numel(), num_experts, double, hidden)
+    padding = _moe_rewrite_padding(topk_ids.numel(), num_experts) if padded and not torch.is_anomaly_enabled() else 0
+    offsets, route = _moe_rewrite_route(topk_ids, num_experts, kernels is not None, kernels, padding)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -581,6 +606,9 @@ def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
 
 MOE_REWRITE_TRITON_BLOCK = 1024  # columns per program (pass): the rows are memory-bound, one block keeps it simple
 MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
+# The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
+# V3's sizes on an H200 (bench/NOTES.md, change 26)
+MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
 
 
 def _moe_rewrite_build_triton():
@@ -702,12 +730,16 @@ def _moe_rewrite_build_triton():
                 tl.store(row_weight + row, tl.zeros([], dtype=row_weight.dtype.element_ty))
 
     @triton.jit
-    def route(ids, order, tokens, positions, offsets, rows, top_k, BLOCK: tl.constexpr):
+    def route(ids, order, tokens, positions, offsets, rows, top_k, padding, BLOCK: tl.constexpr):
         """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
         after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
         order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
-        program reads all the ids twice (they are few: no atomics, no sort, one launch)."""
+        program reads all the ids twice (they are few: no atomics, no sort, one launch). The `padding` entries of
+        tokens after the rows' get token 0, a share of them from each program."""
         expert = tl.program_id(0)
+        for start in range(expert * BLOCK, padding, tl.num_programs(0) * BLOCK):
+            pad = start + tl.arange(0, BLOCK)
+            tl.store(tokens + rows + pad, tl.zeros([BLOCK], dtype=tl.int64), mask=pad < padding)
         lower = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, rows, BLOCK):
             j = start + tl.arange(0, BLOCK)
@@ -724,8 +756,60 @@ def _moe_rewrite_build_triton():
             place += tl.sum(hit.to(tl.int32), axis=0)
         tl.store(offsets + expert, place)
 
+    @triton.jit
+    def grouped_mm(
+        a,
+        b,
+        out,
+        offsets,
+        experts,
+        n,
+        k,
+        b_expert_stride,
+        b_n_stride,
+        b_k_stride,
+        EXPERTS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """out[r] = a[r] @ b[e]^T for the rows r of expert e (offsets: the cumulative rows per expert), b[e] read as
+        (n, k) through its strides; a (rows, k) and out (rows, n) contiguous, k a multiple of BK. Program p takes the
+        p-th (BM x BN) tile in the order (expert, column strip, row tile), counted from the offsets here (no host
+        work): an expert's row tiles of one weight strip run side by side and read it from HBM once (bench/NOTES.md,
+        change 26). Programs past the last tile return; rows past the last offset are neither read nor written."""
+        pid = tl.program_id(0)
+        e_all = tl.arange(0, EXPERTS)
+        ends = tl.load(offsets + e_all, mask=e_all < experts, other=0)
+        starts = tl.load(offsets + e_all - 1, mask=(e_all > 0) & (e_all < experts), other=0)
+        row_tiles = (ends - starts + BM - 1) // BM
+        tiles = row_tiles * tl.cdiv(n, BN)
+        last = tl.cumsum(tiles, 0)
+        if pid < tl.sum(tiles, 0):
+            e = tl.sum((last <= pid).to(tl.int32), 0)  # the first expert whose tiles end after p
+            mine = e_all == e
+            local = pid - tl.sum(tl.where(mine, last - tiles, 0), 0)
+            its_row_tiles = tl.sum(tl.where(mine, row_tiles, 0), 0)
+            rows = tl.sum(tl.where(mine, starts, 0), 0) + (local % its_row_tiles) * BM + tl.arange(0, BM)
+            in_rows = rows < tl.sum(tl.where(mine, ends, 0), 0)
+            cols = (local // its_row_tiles) * BN + tl.arange(0, BN)
+            in_cols = cols[None, :] < n
+            ks = tl.arange(0, BK)
+            a_at = a + tl.where(in_rows, rows, 0).to(tl.int64)[:, None] * k + ks[None, :]
+            b_at = b + e.to(tl.int64) * b_expert_stride + cols[None, :] * b_n_stride + ks[:, None] * b_k_stride
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for _ in range(0, k, BK):
+                a_tile = tl.load(a_at, mask=in_rows[:, None], other=0.0)
+                b_tile = tl.load(b_at, mask=in_cols, other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_at += BK
+                b_at += BK * b_k_stride
+            at = out + rows.to(tl.int64)[:, None] * n + cols[None, :]
+            tl.store(at, acc.to(out.dtype.element_ty), mask=in_rows[:, None] & in_cols)
+
     return {
         "route": route,
+        "grouped_mm": grouped_mm,
         "gather_rows": gather_rows,
         "swiglu": swiglu,
         "swiglu_backward": swiglu_backward,
@@ -734,20 +818,62 @@ def _moe_rewrite_build_triton():
     }
 
 
+def _moe_rewrite_gemm_fits(n, k):
+    """Whether the grouped GEMM's tile fits a product n wide and k deep: at least one tile wide, whole tiles deep."""
+    _, bn, bk, _, _ = MOE_REWRITE_GEMM_TILE
+    return n >= bn and k % bk == 0
+
+
+def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
+    """grouped_gemm._moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
+    for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
+    torch._grouped_mm gives, those past the last offset left unwritten as there."""
+    bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
+    a = a.contiguous()
+    experts = b.shape[0]
+    if mode == "fwd":
+        n, b_n_stride, b_k_stride = b.shape[1], b.stride(1), b.stride(2)
+    else:
+        n, b_n_stride, b_k_stride = b.shape[2], b.stride(2), b.stride(1)
+    out = a.new_empty(a.shape[0], n)
+    tiles = (-(-a.shape[0] // bm) + experts) * -(-n // bn)  # at least every expert's tiles
+    if a.shape[0] and tiles:
+        kernels["grouped_mm"][(tiles,)](
+            a,
+            b,
+            out,
+            offsets,
+            experts,
+            n,
+            a.shape[1],
+            b.stride(0),
+            b_n_stride,
+            b_k_stride,
+            EXPERTS=1 << max(experts - 1, 0).bit_length(),
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            num_warps=warps,
+            num_stages=stages,
+        )
+    return out
+
+
 def _moe_rewrite_blocks(columns):
     return -(-columns // MOE_REWRITE_TRITON_BLOCK)
 
 
-def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
+def _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding=0):
     """(offsets, (order, tokens, positions)) for the routing topk_ids (tokens, top_k), as grouped_gemm's
-    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), in one launch: the host
-    issues one kernel before the first GEMM instead of about ten."""
+    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), `padding` zeros after
+    the tokens included, in one launch: the host issues one kernel before the first GEMM instead of about ten."""
     ids = topk_ids.reshape(-1).contiguous()
     rows = ids.numel()
-    order, tokens, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(3))
+    order, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(2))
+    tokens = torch.empty(rows + padding, device=ids.device, dtype=torch.int64)
     offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
     kernels["route"][(num_experts,)](
-        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], BLOCK=MOE_REWRITE_ROUTE_BLOCK
+        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], padding, BLOCK=MOE_REWRITE_ROUTE_BLOCK
     )
     return offsets, (order, tokens, positions)
 
@@ -755,7 +881,7 @@ def _moe_rewrite_route_rows(kernels, topk_ids, num_experts):
 def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight=None):
     """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
     `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
-    _moe_rewrite_pad_route) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
+    _moe_rewrite_padding) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
     With topk_weight (tokens, top_k): (rows, row_weight), each row's routing weight in the same pass (zero for
     padding rows), as grouped_gemm's _moe_rewrite_row_weights gives them."""
     x = x.contiguous()
