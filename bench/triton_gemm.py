@@ -113,6 +113,57 @@ def grouped_mm_kernel(
         tl.store(h + rows.to(tl.int64)[:, None] * n_out + cols[None, :], act.to(h.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def grouped_wgrad_kernel(
+    a, b, out, offsets, experts, m_dim, n_dim, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr
+):
+    """out[e] = a[rows of e]^T @ b[rows of e] (a (rows, m), b (rows, n), out (E, m, n)): program (e, tile) reduces over
+    its expert's rows only, zeros for an expert with none. Tiles of one expert in GROUP-row bands of m tiles."""
+    e = tl.program_id(1)
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_dim, BN)
+    m_tiles = tl.cdiv(m_dim, BM)
+    band = pid // (GROUP * n_tiles)
+    first_m = band * GROUP
+    size = tl.minimum(m_tiles - first_m, GROUP)
+    m_tile = first_m + (pid % (GROUP * n_tiles)) % size
+    n_tile = (pid % (GROUP * n_tiles)) // size
+    start = tl.load(offsets + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets + e)
+    ms = m_tile * BM + tl.arange(0, BM)
+    ns = n_tile * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(start, end, BK):
+        rows = (k0 + ks).to(tl.int64)
+        in_rows = rows < end
+        a_t = tl.load(a + rows[:, None] * m_dim + ms[None, :], mask=in_rows[:, None] & (ms[None, :] < m_dim), other=0.0)
+        b_t = tl.load(b + rows[:, None] * n_dim + ns[None, :], mask=in_rows[:, None] & (ns[None, :] < n_dim), other=0.0)
+        acc = tl.dot(tl.trans(a_t), b_t, acc)
+    at = out + e.to(tl.int64) * m_dim * n_dim + ms.to(tl.int64)[:, None] * n_dim + ns[None, :]
+    tl.store(at, acc.to(out.dtype.element_ty), mask=(ms[:, None] < m_dim) & (ns[None, :] < n_dim))
+
+
+def grouped_wgrad(a, b, offsets, config=(128, 128, 64, 8, 3, 8)):
+    bm, bn, bk, warps, stages, group = config
+    experts, m, n = offsets.numel(), a.shape[1], b.shape[1]
+    out = a.new_empty(experts, m, n)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), experts)
+    grouped_wgrad_kernel[grid](
+        a, b, out, offsets, experts, m, n, BM=bm, BN=bn, BK=bk, GROUP=group, num_warps=warps, num_stages=stages
+    )
+    return out
+
+
+WGRAD_CONFIGS = [
+    (128, 128, 64, 8, 3, 8),
+    (128, 256, 64, 8, 3, 8),
+    (128, 128, 32, 4, 4, 8),
+    (64, 128, 64, 4, 3, 8),
+    (128, 128, 64, 8, 3, 1),
+]
+
+
 def grouped_mm(a, weight, offsets, rows, mode, tokens=None, swiglu=False, config=(128, 128, 64, 8, 3)):
     """The probe's GEMM: mode "fwd" a @ weight[e]^T (weight (E, N, K)), "dgrad" a @ weight[e] (weight (E, K, N));
     (rows, N) out, or with swiglu (gate_up (rows, N), h (rows, N / 2))."""
@@ -169,7 +220,7 @@ def route(ids, experts):
     return order // ids.shape[1], counts.cumsum(0).to(torch.int32), positions
 
 
-def probe(name, cfg, reps, device):
+def probe(name, cfg, reps, device, only_wgrad=False):
     E, H, inter = cfg["E"], cfg["H"], cfg["I"]
     g = torch.Generator(device=device).manual_seed(0)
     w_gate_up = torch.randn(E, 2 * inter, H, generator=g, device=device, dtype=torch.bfloat16) * H**-0.5
@@ -229,6 +280,25 @@ def probe(name, cfg, reps, device):
             CONFIGS,
         ),
     ]
+    rows_real = rows[:real]
+    cases += [
+        (
+            "gate_up wgrad",
+            lambda: torch._grouped_mm(grad_gate_up[:real].t(), rows_real, offs=offsets),
+            lambda c: grouped_wgrad(grad_gate_up[:real], rows_real, offsets, config=c),
+            lambda got: [(got, torch._grouped_mm(grad_gate_up[:real].t(), rows_real, offs=offsets))],
+            WGRAD_CONFIGS,
+        ),
+        (
+            "down wgrad",
+            lambda: torch._grouped_mm(grad_out.t(), hidden, offs=offsets),
+            lambda c: grouped_wgrad(grad_out, hidden, offsets, config=c),
+            lambda got: [(got, torch._grouped_mm(grad_out.t(), hidden, offs=offsets))],
+            WGRAD_CONFIGS,
+        ),
+    ]
+    if only_wgrad:
+        cases = cases[-2:]
     out = []
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     for gemm, ours, theirs, pairs, configs in cases:
@@ -272,12 +342,13 @@ def main():
     parser.add_argument("--configs", default="v3,moonlight,seed")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tokens", type=int, help="tokens per step instead of each config's own")
+    parser.add_argument("--only-wgrad", action="store_true", help="only the weight gradients' GEMMs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = parser.parse_args()
     rows = []
     for name in args.configs.split(","):
         cfg = {**b.CONFIGS[name], **({"N": args.tokens} if args.tokens else {})}
-        rows += probe(name, cfg, args.reps, "cuda")
+        rows += probe(name, cfg, args.reps, "cuda", args.only_wgrad)
         torch.cuda.empty_cache()
     result = b.record(triton=triton.__version__, rows=rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
