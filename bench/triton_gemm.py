@@ -29,6 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_moe as b  # noqa: E402
+from gemm_tiles import time_variants  # noqa: E402
 
 from templates import triton_kernels as tk  # noqa: E402  (the generated code's own gather and SwiGLU kernels)
 
@@ -311,7 +312,7 @@ def probe(name, cfg, reps, device, only_wgrad=False):
                 continue
             errors[str(c)] = max(b.rel(a[:real], ref[:real]) for a, ref in pairs(got))
             variants[str(c)] = lambda c=c, theirs=theirs: theirs(c)
-        times = time_variants(variants, reps)
+        times = {name: round(ms, 3) for name, ms in time_variants(variants, reps).items()}
         best = min((t, c) for c, t in times.items() if c != "torch")
         row = dict(
             config=name, tokens=cfg["N"], gemm=gemm, torch_ms=times["torch"], ms=times, rel_err=errors, best=best[1]
@@ -321,20 +322,6 @@ def probe(name, cfg, reps, device, only_wgrad=False):
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
-
-
-def time_variants(variants, reps):
-    times = {name: [] for name in variants}
-    for rep in range(reps + 2):
-        for name, fn in variants.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            if rep >= 2:
-                times[name].append(start.elapsed_time(end))
-    return {name: round(sorted(t)[len(t) // 2], 3) for name, t in times.items()}
 
 
 def main():

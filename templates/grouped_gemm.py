@@ -210,8 +210,9 @@ def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
     """Whether the Triton grouped GEMM (triton_kernels.py) runs a forward or input-gradient product of `rows` rows
     over `experts` experts, n wide and k deep, instead of torch._grouped_mm, where the kernel is "torch" (bf16) and
     the Triton kernels run: on sm90 at no more than 160 rows per expert on average, where torch's CUTLASS tiles read
-    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.14-1.31x at V3's 128 rows per expert,
-    0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the adapters').
+    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.07-1.36x at V3's widths and 64-160 rows per
+    expert, 0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the
+    adapters' rank-r ones).
     MOE_REWRITE_TRITON_GEMM=0 keeps torch's."""
     if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
         return False
