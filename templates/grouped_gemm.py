@@ -257,7 +257,11 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         route, ctx.top_k, ctx.dtype, ctx.kernels = gather or ((None, None, None), 1, x.dtype, None)
         stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
-        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *route)
+        # the real and padded row counts when x's rows are gathered; backward through the Triton kernels reads only
+        # the positions of the route, so order and tokens are not kept then (the step's peak is in this backward)
+        ctx.rows = None if route[0] is None else (route[0].numel(), route[1].numel())
+        kept = (None, None, route[2]) if ctx.kernels is not None and route[2] is not None else route
+        ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *kept)
         return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd")
 
     @staticmethod
@@ -270,33 +274,38 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
                 stacked = ctx.source.stacked(ctx.dtype)
             grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
             del stacked  # a rebuilt copy is freed before the weight gradients are allocated
-            if route[0] is not None:
+            if ctx.rows is not None:
                 grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_x, route, ctx.top_k, x.dtype)
         tensor_grads = ctx.needs_input_grad[6:]  # after x, offsets, kernel, keep_stacked, gather, source
         grads = (None,) * len(tensor_grads)
         if any(tensor_grads):
             # The weight gradient reads no padding row (its offsets end at the real rows, and its tile does not
             # depend on them): x's rows are gathered without them, less memory at the step's peak.
-            order, tokens, positions = route
-            rows = _moe_rewrite_rows(ctx, x, route if tokens is None else (order, tokens[: order.numel()], positions))
+            rows = _moe_rewrite_rows(ctx, x, route, padded=False)
             grad = grad[: rows.shape[0]]
             grads = ctx.source.grads(lambda: _moe_rewrite_gmm(ctx.kernel, grad, rows, offsets, "wgrad"))
         return (grad_x, None, None, None, None, None, *grads)
 
 
-def _moe_rewrite_rows(ctx, x, route):
+def _moe_rewrite_rows(ctx, x, route, padded=True):
     """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype (route: see
-    _moe_rewrite_route), with the Triton kernels in one pass that reads each token's row once."""
-    return x if route[1] is None else _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype)
+    _moe_rewrite_route; ctx.rows its real and padded row counts), with the Triton kernels in one pass that reads each
+    token's row once; without the padding rows unless `padded`."""
+    if ctx.rows is None:
+        return x
+    return _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype, rows=ctx.rows[1] if padded else ctx.rows[0])
 
 
-def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None):
-    """x[tokens] in `dtype` (route: see _moe_rewrite_route): the rows in expert order, padding rows included, through
-    the Triton kernels where they run (each token's row read once, written to its top_k places), else torch's
-    index_select. With topk_weight: (rows, each row's routing weight), the weights in the same pass."""
+def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None, rows=None):
+    """x[tokens] in `dtype` (route: see _moe_rewrite_route): the rows in expert order, padding rows included (or
+    the first `rows` of them), through the Triton kernels where they run (each token's row read once, written to its
+    top_k places), else torch's index_select. With topk_weight: (rows, each row's routing weight), the weights in
+    the same pass."""
     order, tokens, positions = route
     if kernels is not None and positions is not None:
-        return _moe_rewrite_gather_rows(kernels, x, positions, tokens.numel(), dtype, topk_weight)
+        rows = tokens.numel() if rows is None else rows
+        return _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight)
+    tokens = tokens if rows is None else tokens[:rows]
     rows = x.index_select(0, tokens).to(dtype)
     return rows if topk_weight is None else (rows, _moe_rewrite_row_weights(topk_weight, order, tokens))
 

@@ -295,6 +295,25 @@ def test_the_expert_mlp_on_the_grouped_gemm_kernel_equals_torchs(monkeypatch, ke
             assert (a - b).norm() <= (1e-5 if device == "cpu" else 1e-2) * b.norm(), name
 
 
+def test_the_first_gemm_keeps_only_the_positions_of_the_route_with_the_kernels(monkeypatch, kernels):
+    """With the Triton kernels the first GEMM's node keeps x, the offsets and the route's positions for backward,
+    not its order and tokens (two more index tensors at the step's peak); without them, the whole route."""
+    device, kernels = kernels
+    moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
+    moe.experts.act_fn = torch.nn.SiLU()
+    x = torch.randn(7, 24, device=device, requires_grad=True)
+    ids, w = routing(7, 6, 2)
+    for triton in (kernels, None):
+        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype, triton=triton: triton)
+        y = moe.moe_train(x, ids.to(device), w.to(device, torch.float32))
+        node = y.grad_fn
+        while type(node).__name__ != "_MoeRewriteGroupedLinearBackward":
+            node = next(f for f, _ in node.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
+        index_tensors = [t for t in node.saved_tensors if t is not None and t.dtype == torch.int64]
+        assert len(index_tensors) == (1 if triton else 2), triton  # positions; order and tokens (no positions)
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, kernels, tokens):
     """The core in float32 with the kernels on against the per-expert float64 reference."""
