@@ -293,19 +293,19 @@ def _moe_rewrite_rows(ctx, x, route, padded=True):
     token's row once; without the padding rows unless `padded`."""
     if ctx.rows is None:
         return x
-    return _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype, rows=ctx.rows[1] if padded else ctx.rows[0])
+    return _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype, count=ctx.rows[1] if padded else ctx.rows[0])
 
 
-def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None, rows=None):
+def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None, count=None):
     """x[tokens] in `dtype` (route: see _moe_rewrite_route): the rows in expert order, padding rows included (or
-    the first `rows` of them), through the Triton kernels where they run (each token's row read once, written to its
-    top_k places), else torch's index_select. With topk_weight: (rows, each row's routing weight), the weights in
+    the first `count` of them), through the Triton kernels where they run (each token's row read once, written to
+    its top_k places), else torch's index_select. With topk_weight: (rows, each row's routing weight), the weights in
     the same pass."""
     order, tokens, positions = route
     if kernels is not None and positions is not None:
-        rows = tokens.numel() if rows is None else rows
-        return _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight)
-    tokens = tokens if rows is None else tokens[:rows]
+        count = tokens.numel() if count is None else count
+        return _moe_rewrite_gather_rows(kernels, x, positions, count, dtype, topk_weight)
+    tokens = tokens if count is None else tokens[:count]
     rows = x.index_select(0, tokens).to(dtype)
     return rows if topk_weight is None else (rows, _moe_rewrite_row_weights(topk_weight, order, tokens))
 
@@ -571,11 +571,11 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
     kernels, x_kernels = _moe_rewrite_triton(x.device, dtype), _moe_rewrite_triton(x.device, x.dtype)
-    # (not under anomaly detection: the padding rows' gradients are left unwritten, and it checks every row for NaN)
+    # Padding rows for torch's GEMMs on sm90, not for the Triton one (the first GEMM's shapes decide where it runs);
+    # not under anomaly detection (the padding rows' gradients are left unwritten, and it checks every row for NaN).
+    _, double, hidden = gate_up_w.shape
     padded = kernels is not None and kernel == "torch" and _moe_rewrite_hopper(x.device)
-    if padded:  # for torch's GEMMs, not the Triton one (the first GEMM's shapes decide)
-        _, double, hidden = gate_up_w.shape
-        padded = not _moe_rewrite_gemm_by_triton(x.device, topk_ids.numel(), num_experts, double, hidden)
+    padded = padded and not _moe_rewrite_gemm_by_triton(x.device, topk_ids.numel(), num_experts, double, hidden)
     padding = _moe_rewrite_padding(topk_ids.numel(), num_experts) if padded and not torch.is_anomaly_enabled() else 0
     offsets, route = _moe_rewrite_route(topk_ids, num_experts, kernels is not None, kernels, padding)
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
