@@ -43,14 +43,14 @@ compat-envs: $(COMPAT_ENVS)
 	.venv-tf/$*/bin/python -m pip install -q --disable-pip-version-check "transformers==$*"
 	touch $@
 
-# ruff (pinned in the test extra) lints and checks the format of everything, templates/ included, before the tests.
+# ruff (pinned in the test extra) lints and checks the format of everything, moe_rewrite/runtime/ included, before the tests.
 test: venv compat-envs
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
 	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
-# Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to templates/ or the
+# Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to moe_rewrite/runtime/ or the
 # codemods; review them with git diff.
 update-pairs: venv
 	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options"

@@ -448,7 +448,7 @@ def main():
         for impl, fn, env in impls:
             if env.get("fused"):  # last, as fusing is irreversible
                 set_backend(modeling, {})
-                modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
+                modeling._moe_rewrite_options["stacking"] = "stack"
                 for p in moe.parameters():  # undo flatten_experts: profile the default layout
                     p.data = p.data.clone()
                 for impl_, fn_, peer_ in to_profile:  # the profiler's hooks must not slow down the timed rows
@@ -467,7 +467,7 @@ def main():
                 fn = functools.partial(sonic_peer.forward, sonic)
             run_peer = sonic_peer if impl == "sonicmoe" else peer
             set_backend(modeling, env)
-            modeling.MOE_REWRITE_OPTIONS["stacking"] = env.get("stacking", "stack")
+            modeling._moe_rewrite_options["stacking"] = env.get("stacking", "stack")
             if env.get("flat"):
                 flatten_experts(moe)
             warm, r = (1, max(2, reps // 5)) if impl == "naive-loop" else (3, reps)
@@ -500,7 +500,7 @@ def main():
             if impl == "sonicmoe":
                 del sonic_peer, run_peer
         set_backend(modeling, {})
-        modeling.MOE_REWRITE_OPTIONS["stacking"] = "stack"
+        modeling._moe_rewrite_options["stacking"] = "stack"
         for impl, fn, peer_ in to_profile:
             profile(fn, data, moe, peer_, out_dir / f"profile_{name}_{safe_name(impl)}.txt")
         del moe, peer, ref, data

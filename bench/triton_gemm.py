@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_moe as b  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
-from templates import triton_kernels as tk  # noqa: E402  (the generated code's own gather and SwiGLU kernels)
+from moe_rewrite.runtime import triton_kernels as tk  # noqa: E402  (the generated code's own gather and SwiGLU kernels)
 
 
 @triton.jit

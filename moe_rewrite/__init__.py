@@ -1,6 +1,6 @@
 """moe-rewrite: make DeepSeek-family MoE remote code trainable, with grouped-GEMM experts."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from moe_rewrite.rewrite import RewriteError, RewriteOptions, RewriteResult, rewrite_source  # noqa: E402
 

@@ -20,8 +20,8 @@ import click
 
 from moe_rewrite import __version__, publish, sources
 from moe_rewrite.errors import NotMoeFileError, RewriteError
+from moe_rewrite.render import ordered
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
-from moe_rewrite.templates import ordered
 
 NOT_MOE = "not a DeepSeek-family MoE file"
 
@@ -360,7 +360,7 @@ def _rewrite_file(
             click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
-    report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/templates.py SECTIONS)")
+    report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()

@@ -1,6 +1,6 @@
 """`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
 the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why (on a GPU, also whether
-its Triton kernels run). Both come from the generated code's own choice (templates/grouped_gemm.py), so they are what a
+its Triton kernels run). Both come from the generated code's own choice (runtime/grouped_gemm.py), so they are what a
 rewritten file does on this machine.
 """
 
@@ -13,7 +13,7 @@ import platform
 import sys
 
 from moe_rewrite import __version__
-from moe_rewrite.templates import template_dir
+from moe_rewrite.render import RUNTIME_DIR
 
 # The oldest and newest transformers releases the test suite runs the rewritten files on (README, "transformers
 # releases"); versions in between are covered too.
@@ -45,13 +45,13 @@ def transformers_support(version: str | None) -> str:
 
 
 def _runtime():
-    """templates/grouped_gemm.py as a module, loaded afresh as a new process would (it reads the environment once),
-    of the templates as a package (it imports its sibling sections): the generated code's kernel choice as the
+    """runtime/grouped_gemm.py as a module, loaded afresh as a new process would (it reads the environment once),
+    of the runtime as a package (it imports its sibling sections): the generated code's kernel choice as the
     rewritten files run it."""
     package = "_moe_rewrite_env_runtime"
     for name in [name for name in sys.modules if name.split(".")[0] == package]:
         del sys.modules[name]
-    init = template_dir() / "__init__.py"
+    init = RUNTIME_DIR / "__init__.py"
     spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(init.parent)])
     sys.modules[package] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[package])
@@ -77,7 +77,7 @@ def _why(kernel: str, device, torch) -> str:
 
 def report() -> list[str]:
     """The lines `moe-rewrite env` prints."""
-    lines = [f"moe-rewrite {__version__}, python {platform.python_version()}, templates in {template_dir()}"]
+    lines = [f"moe-rewrite {__version__}, python {platform.python_version()}, runtime in {RUNTIME_DIR}"]
     versions = {package: _version(package) for package in PACKAGES}
     for package, version in versions.items():
         shown = transformers_support(version) if package == "transformers" else version or "not installed"
@@ -89,7 +89,7 @@ def report() -> list[str]:
 
     runtime = _runtime()
     devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
-    backend = runtime._moe_rewrite_setting("MOE_REWRITE_BACKEND", runtime.MOE_REWRITE_OPTIONS["backend"])
+    backend = runtime._moe_rewrite_setting("MOE_REWRITE_BACKEND", runtime._moe_rewrite_options["backend"])
     for device in devices:
         dtype = torch.bfloat16
         try:
@@ -105,7 +105,7 @@ def report() -> list[str]:
 
 
 def _elementwise(runtime, device, torch) -> str:
-    """Whether the Triton kernels (templates/triton_kernels.py) run the route, SwiGLU, the weighted un-sort and (sm90,
+    """Whether the Triton kernels (runtime/triton_kernels.py) run the route, SwiGLU, the weighted un-sort and (sm90,
     few rows per expert) the grouped GEMM here."""
     if runtime._moe_rewrite_triton(device, torch.bfloat16) is not None:
         return "Triton kernels (the route, SwiGLU, its backward, the weighted un-sort; sm90: the grouped GEMM)"

@@ -1,4 +1,4 @@
-"""What a rewrite is asked to generate. Written into the patched file (MOE_REWRITE_OPTIONS) and its banner."""
+"""What a rewrite is asked to generate. Written into the patched file (_moe_rewrite_options) and its banner."""
 
 from __future__ import annotations
 

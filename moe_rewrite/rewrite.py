@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import Context, block, checkpointing, compat, fused_experts, gate, init_weights, moe_forward
+from moe_rewrite.codemods import (
+    Context,
+    block,
+    compat,
+    expert_layout,
+    gate,
+    gradient_checkpointing,
+    init_weights,
+    moe_forward,
+)
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
@@ -16,7 +25,7 @@ __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_
 
 # The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
 # moe_forward finds the MoE class the later ones read; block, last, puts in the code of every section asked for.
-CODEMODS = [compat, checkpointing, init_weights, moe_forward, gate, fused_experts, block]
+CODEMODS = [compat, gradient_checkpointing, init_weights, moe_forward, gate, expert_layout, block]
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
 
@@ -28,7 +37,7 @@ class RewriteResult:
     moe_class: str
     gate_class: str
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
-    sections: tuple[str, ...] = ()  # the generated code's sections (templates.SECTIONS names)
+    sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:

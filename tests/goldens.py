@@ -10,7 +10,7 @@ import libcst as cst
 
 from moe_rewrite.codemods import is_generated_method
 from moe_rewrite.codemods.block import _generated_block
-from moe_rewrite.templates import SECTIONS, render_section
+from moe_rewrite.render import SECTIONS, render_section
 
 _EMPTY = cst.parse_module("")
 
@@ -43,7 +43,7 @@ def _first_names() -> dict[str, str]:
 
 
 def _sections_of(block: list[cst.BaseStatement]) -> list[str]:
-    """The template sections a generated block is made of, in order (each recognised by its first name)."""
+    """The runtime sections a generated block is made of, in order (each recognised by its first name)."""
     names = set(_names(block))
     return [section for section, first in _first_names().items() if first in names]
 

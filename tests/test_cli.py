@@ -254,7 +254,7 @@ def test_several_files_end_with_one_summary_line_and_quiet_and_verbose(tmp_path)
     assert err.splitlines() == [
         err.splitlines()[0],
         "  generated code: grouped_gemm, triton_kernels, expert_linears, parameter_lora, fused_experts, "
-        "fused_checkpoint, fused_loading (moe_rewrite/templates.py SECTIONS)",
+        "fused_checkpoint, fused_loading (moe_rewrite/render.py SECTIONS)",
         f"{done}: already rewritten",
         "1 file would be rewritten, 1 file would be left unchanged",
     ] and err.startswith(f"would rewrite {v3} (V3 form")
@@ -467,7 +467,7 @@ def test_backend_and_stacking_are_written_and_regenerated(tmp_path):
     assert code == 1, err
     assert "backend=loop, stacking=sequential" in err
     text = path.read_text()
-    options = re.findall(r"^MOE_REWRITE_OPTIONS = (.*)$", text, re.M)
+    options = re.findall(r"^_moe_rewrite_options = (.*)$", text, re.M)
     assert len(options) == 1
     assert '"backend": "loop"' in options[0] and '"stacking": "sequential"' in options[0]
     assert text.count("def moe_train(") == 1
@@ -478,7 +478,7 @@ def test_backend_and_stacking_are_written_and_regenerated(tmp_path):
     assert "backend=auto, stacking=stack" in err
     text = path.read_text()
     assert text == default
-    (options,) = re.findall(r"^MOE_REWRITE_OPTIONS = (.*)$", text, re.M)
+    (options,) = re.findall(r"^_moe_rewrite_options = (.*)$", text, re.M)
     assert '"backend": "auto"' in options and '"stacking": "stack"' in options
 
 

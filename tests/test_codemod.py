@@ -313,8 +313,8 @@ def test_every_generated_statement_is_recognised_as_generated():
     import libcst as cst
 
     from moe_rewrite.codemods.block import _is_generated
-    from moe_rewrite.templates import SECTIONS, render_section
+    from moe_rewrite.render import SECTIONS, render_section
 
     for name in SECTIONS:
         for stmt in render_section(name, cst.parse_module("")).statements:
-            assert _is_generated(stmt), f"templates/{name}.py: {cst.parse_module('').code_for_node(stmt)[:60]}"
+            assert _is_generated(stmt), f"runtime/{name}.py: {cst.parse_module('').code_for_node(stmt)[:60]}"

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from conftest import runtime_env  # noqa: E402
 from test_runtime import tiny_moe  # noqa: E402
 
-from templates import grouped_gemm  # noqa: E402
+from moe_rewrite.runtime import grouped_gemm  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""The wheel users install carries the templates, and the installed package rewrites without the source tree."""
+"""The wheel users install carries the runtime sections, and the installed package rewrites without the source tree."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def wheel(tmp_path_factory):
     return path
 
 
-def test_wheel_ships_templates_and_entry_point(wheel):
+def test_wheel_ships_the_runtime_and_entry_point(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    from moe_rewrite.templates import SECTIONS
+    from moe_rewrite.render import SECTIONS
 
     assert {f"moe_rewrite/runtime/{name}.py" for name in SECTIONS} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
@@ -45,7 +45,7 @@ def test_installed_wheel_rewrites_outside_the_source_tree(wheel, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     where = subprocess.run(
-        [sys.executable, "-c", "import moe_rewrite.templates as t; print(t.template_dir())"],
+        [sys.executable, "-c", "import moe_rewrite.render as r; print(r.RUNTIME_DIR)"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

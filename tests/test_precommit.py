@@ -20,7 +20,7 @@ from moe_rewrite import RewriteOptions, rewrite_source
 MODELING = "modeling_deepseek.py"
 SKIPPED = "skipped (not a DeepSeek-family MoE file)"
 # What the hook repository needs to build and install the package (the rest of the working tree is not shipped).
-PROJECT_FILES = ("pyproject.toml", "README.md", ".pre-commit-hooks.yaml", "moe_rewrite", "templates")
+PROJECT_FILES = ("pyproject.toml", "README.md", ".pre-commit-hooks.yaml", "moe_rewrite")
 
 VENDORED = f"vendor/deepseek/{MODELING}"  # V3 form, deep in the tree
 AT_ROOT = MODELING  # V2 form, at the repository root

@@ -1,5 +1,5 @@
 """Every private torch / transformers / accelerate surface the generated code relies on, with the behaviour it relies
-on: if a release changes one, a test here fails (the reason each is used stands beside it in templates/).
+on: if a release changes one, a test here fails (the reason each is used stands beside it in moe_rewrite/runtime/).
 
 Public replacements were taken where they exist (nn.Module.register_load_state_dict_pre_hook); what is left has none.
 """
@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 
 from conftest import ROOT  # noqa: E402
 
-TEMPLATES = ROOT / "templates"
+RUNTIME = ROOT / "moe_rewrite" / "runtime"
 
 
-def test_the_private_surfaces_in_templates_are_the_ones_tested_here():
+def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
     """A new private name in the generated code needs its own test below (and a reason beside it)."""
-    code = "\n".join(p.read_text() for p in TEMPLATES.glob("*.py"))
+    code = "\n".join(p.read_text() for p in RUNTIME.glob("*.py"))
     used = set(re.findall(r"(?:torch\._C\.|torch\.|\.)(_[a-z][a-z_]+)\b", code))
     ours = {name for name in used if name.startswith("_moe_rewrite")}
     tested = {
@@ -35,7 +35,7 @@ def test_the_private_surfaces_in_templates_are_the_ones_tested_here():
         "_non_persistent_buffers_set",
         "_from_config",
     }
-    assert used - ours <= tested, f"untested private names in templates/: {sorted(used - ours - tested)}"
+    assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")

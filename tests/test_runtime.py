@@ -1,5 +1,5 @@
-"""The generated runtime as Python modules (templates/), before any file is rewritten: each part against an explicit
-per-expert float64 reference, gradients included. The rewritten files run the same code (test_training.py)."""
+"""The generated runtime as Python modules (moe_rewrite/runtime/), before any file is rewritten: each part against an
+explicit per-expert float64 reference, gradients included. The rewritten files run the same code (test_training.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ torch = pytest.importorskip("torch")
 
 from conftest import runtime_env  # noqa: E402
 
-from templates import expert_linears, fused_checkpoint, fused_experts, grouped_gemm, parameter_lora, per_expert  # noqa: E402
+from moe_rewrite.runtime import (  # noqa: E402
+    expert_linears,
+    fused_checkpoint,
+    fused_experts,
+    grouped_gemm,
+    parameter_lora,
+    per_expert,
+)
 
 ACT = torch.nn.functional.silu
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of templates/triton_kernels.py against float64 references, alone and inside moe_train (output
+"""The Triton kernels of runtime/triton_kernels.py against float64 references, alone and inside moe_train (output
 and the gradients of x, the routing weights and both fused parameters). On the CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1, small sizes, a few column blocks per row); where there is a CUDA GPU, compiled, at Moonlight's
 row widths.
@@ -15,7 +15,7 @@ pytest.importorskip("triton")  # in the test extra: CI has it
 from conftest import runtime_env  # noqa: E402
 from test_runtime import reference, routing, tiny_moe  # noqa: E402
 
-from templates import grouped_gemm, triton_kernels  # noqa: E402
+from moe_rewrite.runtime import grouped_gemm, triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton interpret without a GPU
 

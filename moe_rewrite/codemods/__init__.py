@@ -1,7 +1,7 @@
 """The rewrites, one module each, all with one interface: `transform(module, context) -> module`.
 
 rewrite.py runs them in the order of its CODEMODS list. Each edits the syntax tree and names, in `context.sections`,
-the template sections its edits call (templates.SECTIONS); the last one, `block`, puts those sections' code into the
+the runtime sections its edits call (render.SECTIONS); the last one, `block`, puts those sections' code into the
 file. Everything moe-rewrite generates carries the marker MARK (see `is_marked`), so a later run finds and replaces it.
 """
 
@@ -14,7 +14,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.options import RewriteOptions
-from moe_rewrite.templates import Section, render_section
+from moe_rewrite.render import Section, render_section
 
 MARK = "# moe-rewrite"  # starts the comment on (or just above) every generated statement, method and block
 METHOD_MARK = "# moe-rewrite: generated method, regenerated on every run"
@@ -27,7 +27,7 @@ class Context:
     """What the codemods share while one file is rewritten."""
 
     options: RewriteOptions
-    sections: set[str] = field(default_factory=set)  # template sections the generated block must hold
+    sections: set[str] = field(default_factory=set)  # runtime sections the generated block must hold
     moe: Any = None  # moe_forward.MoeClassInfo, once moe_forward has run
     compat: Any = None  # compat.CompatChanges, once compat has run
     rendered: dict[str, Section] = field(default_factory=dict)

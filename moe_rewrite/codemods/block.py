@@ -2,9 +2,9 @@
 as one block in front of the MoE class, and their MoE-class methods right after its forward()::
 
     # ---- moe-rewrite 0.3.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
-    # Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
-    MOE_REWRITE_OPTIONS = {...}
-    ...                                  # templates/grouped_gemm.py, fused_experts.py, ... (templates.SECTIONS order)
+    # Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
+    _moe_rewrite_options = {...}
+    ...                                  # runtime/grouped_gemm.py, fused_experts.py, ... (render.SECTIONS order)
 
     class DeepseekV3MoE(nn.Module):
         def forward(self, hidden_states): ...
@@ -22,9 +22,9 @@ from __future__ import annotations
 import libcst as cst
 
 from moe_rewrite.codemods import GENERATED_PREFIXES, Context, is_generated_method, marked
-from moe_rewrite.templates import banner_lines, ordered
+from moe_rewrite.render import banner_lines, ordered
 
-BANNER = "# ---- moe-rewrite"  # the first line above the generated block (templates.banner_lines)
+BANNER = "# ---- moe-rewrite"  # the first line above the generated block (render.banner_lines)
 
 
 def _is_generated(stmt: cst.BaseStatement) -> bool:

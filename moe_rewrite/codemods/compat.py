@@ -27,8 +27,8 @@ below keeps the old behaviour where the old API still exists and answers with th
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
         _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for 5.x
 
-The cache helpers are in templates/compat_cache.py, the rope_scaling reader in templates/compat_rope_scaling.py,
-the import fallbacks in the other templates/compat_*.py. A name that is gone, used by the file and has no fallback here
+The cache helpers are in runtime/compat_cache.py, the rope_scaling reader in runtime/compat_rope_scaling.py,
+the import fallbacks in the other runtime/compat_*.py. A name that is gone, used by the file and has no fallback here
 is refused. Every run first undoes these edits, so a run with --no-compat gives the file's coupling back as published
 and a second run changes nothing.
 """
@@ -42,9 +42,9 @@ import libcst.matchers as m
 
 from moe_rewrite.codemods import MARK, Context, replace
 from moe_rewrite.errors import RewriteError
-from moe_rewrite.templates import render_statements
+from moe_rewrite.render import render_statements
 
-# (module, name) -> the template defining the name where the import fails.
+# (module, name) -> the runtime section defining the name where the import fails.
 FALLBACKS = {
     ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available",
     ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask",
@@ -217,10 +217,10 @@ def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Modu
     source = _module_name(node)
     fallback: list[cst.BaseStatement] = []
     for imported, bound in _bound_names(node):
-        template = FALLBACKS.get((source, imported))
+        section = FALLBACKS.get((source, imported))
         since = _gone_since(source, imported)
-        if template is not None:
-            defs = render_statements(template, module)
+        if section is not None:
+            defs = render_statements(section, module)
             fallback += [d.with_changes(name=cst.Name(bound)) if isinstance(d, cst.FunctionDef) else d for d in defs]
             changes.imports.append(bound)
         elif since is None:  # still there: imported on its own, beside the stand-ins

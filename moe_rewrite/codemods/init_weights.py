@@ -114,5 +114,5 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             body=[*module.body, records.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)]
         )
     if used:
-        context.sections.add("init_weights")
+        context.sections.add("init_guards")
     return module

@@ -28,8 +28,8 @@ V2 form (a Python loop over the experts)::
         y = y.to(hidden_states.dtype).view(*orig_shape)
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
-Both forms get the `moe_train` method and its module-level helpers (templates/grouped_gemm.py, put in by the block
-codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (templates/parameter_lora.py),
+Both forms get the `moe_train` method and its module-level helpers (runtime/grouped_gemm.py, put in by the block
+codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/parameter_lora.py),
 which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
 
     y = self.moe_rewrite_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)  # moe-rewrite: ...

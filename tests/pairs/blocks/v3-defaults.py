@@ -1,8 +1,8 @@
 
 
-# ---- moe-rewrite 0.2.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
-# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.
-MOE_REWRITE_OPTIONS = {"version": "0.2.0", "backend": "auto", "stacking": "stack"}
+# ---- moe-rewrite 0.3.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
+# Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
+_moe_rewrite_options = {"version": "0.3.0", "backend": "auto", "stacking": "stack"}
 _moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels, ("sm90", device) -> bool
 _moe_rewrite_settings = {}  # environment variable -> value, read once per process
 
@@ -37,7 +37,7 @@ def _moe_rewrite_kernel(device, dtype):
 
 def _moe_rewrite_choose_kernel(device, dtype):
     """MOE_REWRITE_BACKEND, else the backend chosen at rewrite time, resolved for this device and dtype."""
-    backend = _moe_rewrite_setting("MOE_REWRITE_BACKEND", MOE_REWRITE_OPTIONS["backend"])
+    backend = _moe_rewrite_setting("MOE_REWRITE_BACKEND", _moe_rewrite_options["backend"])
     cuda_bf16 = device.type == "cuda" and dtype == torch.bfloat16
     if backend == "loop":
         return "loop"
@@ -561,7 +561,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     # "stack" keeps stacked weights from forward to backward (fastest), except under torch.distributed, where the
     # weights are usually sharded (FSDP, ZeRO) and a kept copy per layer would undo the sharding.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    keep = MOE_REWRITE_OPTIONS["stacking"] == "stack" and not distributed
+    keep = _moe_rewrite_options["stacking"] == "stack" and not distributed
     if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
         gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(route, top_k, dtype, x_kernels))
     else:  # the adapters read the gathered rows too

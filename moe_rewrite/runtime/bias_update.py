@@ -4,7 +4,7 @@
 
 import torch
 
-from .grouped_gemm import MOE_REWRITE_OPTIONS
+from .grouped_gemm import _moe_rewrite_options
 
 
 class MoE:
@@ -46,7 +46,7 @@ class MoE:
         if master is None:
             master = full.detach().float().clone()
             self.register_buffer("_moe_rewrite_bias", master, persistent=False)
-        master.add_(torch.sign(load.mean() - load), alpha=MOE_REWRITE_OPTIONS["bias_update"])
+        master.add_(torch.sign(load.mean() - load), alpha=_moe_rewrite_options["bias_update"])
         with torch.no_grad():
             if hasattr(bias, "full_tensor"):
                 from torch.distributed.tensor import distribute_tensor

@@ -159,5 +159,5 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         if not _natively_checkpointed(forward):  # the V2 form checkpoints already
             module = replace(module, forward, _rewrite_forward(forward, enabled, module.config_for_parsing))
     if m.findall(module, OUR_CALL):
-        context.sections.add("checkpointing")
+        context.sections.add("checkpoint_layer")
     return module

@@ -1,7 +1,7 @@
-"""The generated code: templates/ holds it as real, importable Python, one file per section; this module renders a
-section into CST nodes for the file being rewritten.
+"""The generated code: moe_rewrite/runtime/ holds it as real, importable Python, one file per section; this module
+renders a section into CST nodes for the file being rewritten.
 
-A section file is a module docstring (for people reading templates/), imports (so that the file imports, lints and
+A section file is a module docstring (for people reading runtime/), imports (so that the file imports, lints and
 tests on its own), then the code moe-rewrite copies: module-level statements go into the generated block in front of
 the MoE class, and the methods of a placeholder `class MoE:` / `class Model:` go into the file's MoE class / its
 PreTrainedModel subclass. The docstring, the imports and the placeholder classes themselves are not copied.
@@ -32,13 +32,13 @@ SECTIONS = {
     "per_expert": "the grouped-GEMM core over per-expert nn.Linear layers (--no-fuse-experts)",
     "aux_loss": "the sequence-wise balance loss (--aux-loss)",
     "bias_update": "aux-loss-free balancing, bias += RATE * sign(mean load - load) (--bias-update)",
-    "checkpointing": "gradient_checkpointing_enable() checkpoints the decoder layers",
+    "checkpoint_layer": "gradient_checkpointing_enable() checkpoints the decoder layers",
     "compat_cache": "Cache methods that later transformers releases removed",
     "compat_rope_scaling": "config.rope_scaling as the file expects it on transformers 5.x",
     "compat_generation": "generation position ids sliced as transformers 4.x passed them",
-    "init_weights": "_init_weights keeps loaded weights and rebuilds non-persistent buffers on transformers 5.x",
+    "init_guards": "_init_weights keeps loaded weights and rebuilds non-persistent buffers on transformers 5.x",
 }
-OPTIONS_NAME = "MOE_REWRITE_OPTIONS"  # grouped_gemm.py's options dict, filled with the rewrite's options
+OPTIONS_NAME = "_moe_rewrite_options"  # grouped_gemm.py's options dict, filled with the rewrite's options
 PLACEHOLDERS = ("MoE", "Model")
 
 
@@ -49,19 +49,16 @@ class Section:
     model_methods: list[cst.FunctionDef]  # for the PreTrainedModel subclass
 
 
-def template_dir() -> Path:
-    # Inside the wheel the templates live in the package; in a source checkout they are at the repository root.
-    packaged = Path(__file__).parent / "runtime"
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "templates"
+RUNTIME_DIR = Path(__file__).parent / "runtime"  # the sections, one module each
 
 
 @lru_cache(maxsize=None)
-def load_template(name: str) -> str:
-    return (template_dir() / f"{name}.py").read_text(encoding="utf-8")
+def load_section(name: str) -> str:
+    return (RUNTIME_DIR / f"{name}.py").read_text(encoding="utf-8")
 
 
 def _is_header(stmt: cst.BaseStatement) -> bool:
-    """The template's docstring and imports: there for the template as a module, not copied."""
+    """The section's docstring and imports: there for the section as a module, not copied."""
     return m.matches(stmt, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom() | m.Expr(m.SimpleString())]))
 
 
@@ -76,7 +73,7 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 def render_section(name: str, module: cst.Module, options: RewriteOptions | None = None) -> Section:
     """Section `name` parsed with the target module's newline and indentation; with `options`, grouped_gemm's options
     dict holds them."""
-    text = load_template(name).replace("\n", module.default_newline)
+    text = load_section(name).replace("\n", module.default_newline)
     parsed = cst.parse_module(text, config=module.config_for_parsing)
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
     for stmt in parsed.body:
@@ -91,7 +88,7 @@ def render_section(name: str, module: cst.Module, options: RewriteOptions | None
             assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
             stmt = stmt.with_changes(body=[assign.with_changes(value=options_literal(options))])  # type: ignore[attr-defined]
         statements.append(stmt)
-    if statements:  # the blank lines after the template's imports are not the code's
+    if statements:  # the blank lines after the section's imports are not the code's
         statements[0] = statements[0].with_changes(leading_lines=[])
     return Section(statements, methods["MoE"], methods["Model"])
 
@@ -113,6 +110,6 @@ def ordered(sections: set[str]) -> list[str]:
 def banner_lines(moe_class: str, options: RewriteOptions) -> list[cst.EmptyLine]:
     comments = [
         f"# ---- moe-rewrite {__version__} ({options.describe()}): training path for {moe_class} ----",
-        "# Generated code: edit moe-rewrite's templates/, not this block; running moe-rewrite again regenerates it.",
+        "# Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.",
     ]
     return [cst.EmptyLine(), cst.EmptyLine()] + [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]

@@ -1,4 +1,4 @@
-"""The code moe-rewrite generates, as a Python package: one module per section (moe_rewrite/templates.py lists them
+"""The code moe-rewrite generates, as a Python package: one module per section (moe_rewrite/render.py lists them
 with what each does, and renders them). Tests import these modules directly; a rewritten file holds a copy of the
 sections it needs and imports nothing from moe-rewrite.
 

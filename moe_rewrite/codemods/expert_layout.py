@@ -1,7 +1,7 @@
 """Choose the expert layout: fused experts (the default) or per-expert nn.Linear layers (--no-fuse-experts), and give
 the file's PreTrainedModel subclass the methods that go with it.
 
-Both layouts get templates/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
+Both layouts get runtime/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
 fused_experts.py (the fused module; --no-fuse-experts files can still fuse at run time)
 and fused_checkpoint.py (`save_pretrained` writes fused experts as the checkpoint's per-expert keys). The default adds
 fused_loading.py: `from_pretrained`, `_from_config` and `post_init` overrides that fuse every MoE layer, so every model
