@@ -191,8 +191,9 @@ def liger_forward(function, peer, x, ids, w):
 
 
 def sonic_moe():
-    """SonicMoE (Tri Dao's lab; CuTe-DSL kernels for Hopper), or None when it is not installed (../shared/PEERS.md
-    says how to install it on the H200). Its first call per shape JIT-compiles (~20 s at seed, ~60 s at moonlight)."""
+    """SonicMoE (Tri Dao's lab; CuTe-DSL kernels for Hopper), or None when it is not installed (docs/backends.md
+    has the install line that worked on the H200). Its first call per shape JIT-compiles (~20 s at seed, ~60 s at
+    moonlight)."""
     try:
         import sonicmoe
     except ImportError:

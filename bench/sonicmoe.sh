@@ -15,7 +15,7 @@
 #
 #   OUT=/root/out bash bench/sonicmoe.sh moonlight [SECONDS] [ROWS]
 #
-# Needs sonic-moe and its wheels importable (../shared/PEERS.md) and the libcst wheel for the rewrite.
+# Needs sonic-moe and its wheels importable (the install line in docs/backends.md) and the libcst wheel for the rewrite.
 set -uo pipefail
 config=${1:?usage: bench/sonicmoe.sh seed|moonlight|v3 [seconds] [rows]}
 limit=${2:-540}
