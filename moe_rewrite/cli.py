@@ -319,7 +319,7 @@ def _rewrite(
     text = src.read()  # its errors name the file already
     try:
         result = rewrite_source(text, options)
-        if report.checkpointing_asked and options.gradient_checkpointing and "checkpointing" not in result.sections:
+        if report.checkpointing_asked and options.gradient_checkpointing and "checkpoint_layer" not in result.sections:
             report.info(
                 f"note: --gradient-checkpointing changes nothing in {src.name}: its decoder loop checkpoints "
                 "already (V2 form), or it has none"
