@@ -61,8 +61,8 @@ class RewriteResult:
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
     """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot, InternalError when
-    moe-rewrite itself fails (a bug, whatever the file). Byte for byte
-    outside the edits: a UTF-8 byte-order mark and the file's last line break stay as they were."""
+    moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits: a UTF-8 byte-order mark and
+    the file's last line break stay as they were."""
     options = options or RewriteOptions()
     bom = "\ufeff" if text.startswith("\ufeff") else ""
     body = text[len(bom) :]
