@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (or nothing to change), 1 `--in-place` changed a file or `--check`/`--diff` found one to change
 (the pre-commit convention), 2 bad input: one line on stderr, nothing written for it (with several files, the others
-are still handled, and the run exits 2).
+are still handled, and the run exits 2), 3 a bug in moe-rewrite: one line asking for a report (with -v, the traceback
+before it), nothing written for that file, and the run stops there.
 
 Output, as black's: a line per file rewritten (or that would be) on stderr, then one summary line ("2 files rewritten,
 1 file left unchanged, 1 file failed"; a single SOURCE that fails gets its error line alone); `-q` prints errors only,
@@ -14,12 +15,13 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
 
 from moe_rewrite import __version__, publish, sources
-from moe_rewrite.errors import NotMoeFileError, RewriteError
+from moe_rewrite.errors import InternalError, NotMoeFileError, RewriteError
 from moe_rewrite.render import ordered
 from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
 
@@ -328,6 +330,13 @@ def _rewrite(
             report.info(f"{src.name}: skipped ({NOT_MOE})")
             return None
         raise RewriteError(f"{src.name}: {e}") from None
+    except InternalError as e:
+        cause = e.__cause__ or e
+        if report.verbosity > 0:  # what a bug report needs
+            click.echo(
+                "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip("\n"), err=True
+            )
+        raise InternalError(e.reason, src.name) from cause
 
 
 def _rewrite_file(
@@ -384,12 +393,24 @@ def _secrets(argv: list[str]) -> list[str]:
 
 def _error(message: str, tokens: list[str]) -> int:
     """Print the one error line, with `tokens` and those in the environment masked; returns exit code 2."""
+    click.echo(f"moe-rewrite: error: {_one_line(message, tokens)}", err=True)
+    return 2
+
+
+def _internal_error(error: InternalError, tokens: list[str]) -> int:
+    """Print the one line saying moe-rewrite failed, not the file; returns exit code 3."""
+    where = f" while rewriting {error.file}" if error.file else ""
+    line = f"internal error ({error.reason}){where}; this is a bug in moe-rewrite, please report it"
+    click.echo(f"moe-rewrite {__version__}: {_one_line(line, tokens)}", err=True)
+    return 3
+
+
+def _one_line(message: str, tokens: list[str]) -> str:
+    """`message` on one line, whatever a library put in it, with `tokens` and those in the environment masked."""
     for secret in [*tokens, *(os.environ.get(name, "") for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"))]:
         if secret:
             message = message.replace(secret, "***")
-    line = " ".join(message.split())  # one line, whatever a library put in it
-    click.echo(f"moe-rewrite: error: {line}", err=True)
-    return 2
+    return " ".join(message.split())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:
         return _error(str(e), _secrets(args))
+    except InternalError as e:
+        return _internal_error(e, _secrets(args))
     except click.ClickException as e:
         return _error(e.format_message(), _secrets(args))
     except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)

@@ -1,4 +1,4 @@
-"""The one exception type the library raises for input it cannot rewrite."""
+"""The exceptions the library raises: RewriteError for input it cannot rewrite, InternalError for its own bugs."""
 
 
 class RewriteError(Exception):
@@ -7,3 +7,13 @@ class RewriteError(Exception):
 
 class NotMoeFileError(RewriteError):
     """The file has no DeepSeek-family MoE class at all (as opposed to one whose structure is not recognised)."""
+
+
+class InternalError(Exception):
+    """A bug in moe-rewrite (a codemod failed on its own assumptions), not a problem with the file: the CLI says so,
+    asks for a report and exits 3. `file` is the file being rewritten, once the CLI knows it."""
+
+    def __init__(self, reason: str, file: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.file = file

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import libcst as cst
 
 from moe_rewrite.codemods import (
+    Codemod,
     Context,
+    Field,
     block,
     compat,
     expert_layout,
@@ -18,15 +20,32 @@ from moe_rewrite.codemods import (
     init_weights,
     moe_forward,
 )
-from moe_rewrite.errors import RewriteError
+from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
 # The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
 # moe_forward finds the MoE class the later ones read; block, last, puts in the code of every section asked for.
-CODEMODS = [compat, gradient_checkpointing, init_weights, moe_forward, gate, expert_layout, block]
+CODEMODS: list[Codemod] = [compat, gradient_checkpointing, init_weights, moe_forward, gate, expert_layout, block]
+RESULT_READS: tuple[Field, ...] = ("moe", "compat")  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
+
+
+def check_order(codemods: list[Codemod], reads_after: tuple[Field, ...]) -> None:
+    """Each codemod reads only what an earlier one provides, and the caller what they all provided."""
+    provided: set[str] = set()
+    for codemod in codemods:
+        missing = set(codemod.READS) - provided
+        if missing:
+            name = getattr(codemod, "__name__", repr(codemod))
+            raise InternalError(f"{name} reads {', '.join(sorted(missing))}, which no codemod before it provides")
+        provided |= set(codemod.PROVIDES)
+    if missing := set(reads_after) - provided:
+        raise InternalError(f"the result reads {', '.join(sorted(missing))}, which no codemod provides")
+
+
+check_order(CODEMODS, RESULT_READS)
 
 
 @dataclass(frozen=True)
@@ -41,8 +60,9 @@ class RewriteResult:
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
-    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot. Byte for byte
-    outside the edits: a UTF-8 byte-order mark and the file's last line break stay as they were."""
+    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot, InternalError when
+    moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits: a UTF-8 byte-order mark and
+    the file's last line break stay as they were."""
     options = options or RewriteOptions()
     bom = "\ufeff" if text.startswith("\ufeff") else ""
     body = text[len(bom) :]
@@ -54,22 +74,23 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         new_body, context = _rewrite(body, options)
     except RecursionError:
         raise RewriteError("an expression is nested too deeply for moe-rewrite's parser") from None
-    except (TypeError, ValueError, AttributeError, IndexError, KeyError, StopIteration) as e:
-        # a structure no matcher expected: still one line and exit 2, never a traceback
-        raise RewriteError(
-            f"moe-rewrite cannot handle this file's structure ({type(e).__name__}: {e}); please report it"
-        ) from None
+    except (RewriteError, InternalError):
+        raise
+    except Exception as e:
+        # a codemod failed on its own assumptions: a file it should have refused by name, or a bug; either way ours
+        raise InternalError(f"{type(e).__name__}: {e}") from e
     finally:
         sys.setrecursionlimit(limit)
     ending = body[len(body.rstrip("\r\n")) :]  # libcst turns a final lone CR into LF
     new_text = bom + new_body.rstrip("\r\n") + ending
+    moe = context.moe_class()
     return RewriteResult(
         text=new_text,
         changed=new_text != text,
-        form=context.moe.form,
-        moe_class=context.moe.name,
-        gate_class=context.moe.gate_class or "",
-        compat=context.compat.describe(),
+        form=moe.form,
+        moe_class=moe.name,
+        gate_class=moe.gate_class or "",
+        compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
     )
 

@@ -318,3 +318,57 @@ def test_every_generated_statement_is_recognised_as_generated():
     for name in SECTIONS:
         for stmt in render_section(name, cst.parse_module("")).statements:
             assert _is_generated(stmt), f"runtime/{name}.py: {cst.parse_module('').code_for_node(stmt)[:60]}"
+
+
+V3_SOURCE = (FIXTURES / "deepseek_v3" / "modeling_deepseek.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        (
+            "    def _init_weights(self, module):\n",
+            "    def _init_weights(self, module): pass\n\n    def _published_init_weights(self, module):\n",
+            "DeepseekV3PreTrainedModel._init_weights: its body is on the `def` line",
+        ),
+        (
+            "class MoEGate(nn.Module):\n",
+            "class Generating(nn.Module):\n"
+            "    def prepare_inputs_for_generation(self, **kwargs): return kwargs.get('position_ids', None)\n\n\n"
+            "class MoEGate(nn.Module):\n",
+            "compat: Generating.prepare_inputs_for_generation: its body is on the `def` line",
+        ),
+    ],
+    ids=["init_weights", "prepare_inputs_for_generation"],
+)
+def test_a_one_line_body_the_codemods_edit_is_refused_by_name(old, new, message):
+    assert V3_SOURCE.count(old) == 1
+    with pytest.raises(RewriteError) as info:
+        rewrite_source(V3_SOURCE.replace(old, new))
+    assert message in str(info.value)
+
+
+def test_a_one_line_except_of_the_files_own_is_kept():
+    """`except ImportError: x = None` is not moe-rewrite's guard (those have an indented body): kept as written."""
+    own = "try:\n    import foo\nexcept ImportError: foo = None\n"
+    text = V3_SOURCE.replace("import torch\n", "import torch\n" + own, 1)
+    assert own in rewrite_source(text).text
+
+
+def test_each_codemod_reads_only_what_an_earlier_one_provides():
+    """rewrite.py checks CODEMODS on import; a codemod moved before the one that fills what it reads is a bug."""
+    import types
+
+    from moe_rewrite.errors import InternalError
+    from moe_rewrite.rewrite import CODEMODS, RESULT_READS, check_order
+
+    check_order(CODEMODS, RESULT_READS)
+    names = [codemod.__name__.rsplit(".", 1)[-1] for codemod in CODEMODS]
+    gate, moe_forward = CODEMODS[names.index("gate")], CODEMODS[names.index("moe_forward")]
+    with pytest.raises(InternalError, match=r"\.gate reads moe, which no codemod before it provides"):
+        check_order([gate, moe_forward], RESULT_READS)
+    with pytest.raises(InternalError, match="the result reads compat, which no codemod provides"):
+        check_order([moe_forward], RESULT_READS)
+    reads_nothing = types.SimpleNamespace(__name__="late", READS=("moe",), PROVIDES=())
+    with pytest.raises(InternalError, match="late reads moe"):
+        check_order([reads_nothing, moe_forward], ())

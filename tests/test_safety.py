@@ -182,3 +182,29 @@ def test_ctrl_c_while_writing_leaves_no_temp_file_and_no_output(checkpoint, tmp_
     assert code != 0 and "aborted" in err and "Traceback" not in err
     assert not out.exists()
     assert snapshot(checkpoint) == snapshot(V3_DIR) | {"model.safetensors": b"weights"}
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_bug_in_moe_rewrite_says_so_exits_3_and_writes_nothing(checkpoint, tmp_path, monkeypatch, verbose):
+    """A codemod failing on its own assumptions is moe-rewrite's bug, not the file's: one line saying so (the
+    traceback before it only with -v), exit 3, nothing written."""
+    from moe_rewrite import __version__
+    from moe_rewrite.codemods import gate
+
+    def broken(module, context):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    monkeypatch.setattr(gate, "transform", broken)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(checkpoint, "--out", tmp_path / "out", *(["-v"] if verbose else []))
+    assert code == 3 and out == ""
+    *traceback, line = err.rstrip("\n").split("\n")
+    assert line == (
+        f"moe-rewrite {__version__}: internal error (TypeError: 'NoneType' object is not subscriptable) while "
+        f"rewriting {checkpoint / 'modeling_deepseek.py'}; this is a bug in moe-rewrite, please report it"
+    )
+    if verbose:
+        assert traceback[0] == "Traceback (most recent call last):" and "in broken" in err
+    else:
+        assert traceback == []
+    assert snapshot(tmp_path) == before

@@ -1,25 +1,74 @@
-"""The rewrites, one module each, all with one interface: `transform(module, context) -> module`.
+"""The rewrites, one module each, all with one interface (`Codemod`): `transform(module, context) -> module`, and
+READS / PROVIDES, the Context fields it reads and the ones it fills (rewrite.py checks the order of its CODEMODS list
+against them on import).
 
-rewrite.py runs them in the order of its CODEMODS list. Each edits the syntax tree and names, in `context.sections`,
-the runtime sections its edits call (render.SECTIONS); the last one, `block`, puts those sections' code into the
-file. Everything moe-rewrite generates carries the marker MARK (see `is_marked`), so a later run finds and replaces it.
+Each edits the syntax tree and names, in `context.sections`, the runtime sections its edits call (render.SECTIONS);
+the last one, `block`, puts those sections' code into the file. `context.index` answers what a file holds without a
+walk of the whole tree per question (index.py). Everything moe-rewrite generates carries the marker MARK (see
+`is_marked`), so a later run finds and replaces it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from functools import lru_cache
+from typing import Literal, Protocol, TypeVar
 
 import libcst as cst
-import libcst.matchers as m
 
+from moe_rewrite.codemods.index import Index
+from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.render import Section, render_section
 
 MARK = "# moe-rewrite"  # starts the comment on (or just above) every generated statement, method and block
 METHOD_MARK = "# moe-rewrite: generated method, regenerated on every run"
-LEGACY_CALL = m.Call(func=m.Name("_moe_rewrite_fuse_model") | m.Name("_moe_rewrite_unfuse_state_dict"))
+LEGACY_CALLS = {
+    "_moe_rewrite_fuse_model",
+    "_moe_rewrite_unfuse_state_dict",
+}  # moe-rewrite 0.2's model methods call them
 GENERATED_PREFIXES = ("MOE_REWRITE_", "_moe_rewrite_", "_MoeRewrite")  # the generated block's module-level names
+
+
+@dataclass
+class MoeClassInfo:
+    """The file's MoE class, as moe_forward found it."""
+
+    name: str
+    gate_class: str | None
+    form: str  # "v3", "v2" or "esft"
+
+
+@dataclass
+class CompatChanges:
+    """What the compat codemod changed, for the summary."""
+
+    imports: list[str] = field(default_factory=list)  # the guarded names
+    cache_calls: int = 0
+    rope_scaling_reads: int = 0
+    position_ids: list[str] = field(default_factory=list)  # classes whose generation position ids are sliced
+    generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
+    tied_keys: list[str] = field(default_factory=list)  # classes whose _tied_weights_keys became a dict
+
+    def describe(self) -> str:
+        """'compat: 2 imports guarded, 7 Cache calls, GenerationMixin on X' or '' when nothing changed."""
+        parts = []
+        if self.imports:
+            parts.append(f"{len(self.imports)} import{'s' if len(self.imports) != 1 else ''} guarded")
+        if self.cache_calls:
+            parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
+        if self.rope_scaling_reads:
+            parts.append(f"{self.rope_scaling_reads} rope_scaling read{'s' if self.rope_scaling_reads != 1 else ''}")
+        if self.position_ids:
+            parts.append(f"generation position_ids sliced in {', '.join(self.position_ids)}")
+        if self.generation_mixin:
+            parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
+        if self.tied_keys:
+            parts.append(f"_tied_weights_keys as a dict in {', '.join(self.tied_keys)}")
+        return f"compat: {', '.join(parts)}" if parts else ""
+
+
+Field = Literal["moe", "compat"]  # the Context fields one codemod fills for the later ones
 
 
 @dataclass
@@ -28,16 +77,54 @@ class Context:
 
     options: RewriteOptions
     sections: set[str] = field(default_factory=set)  # runtime sections the generated block must hold
-    moe: Any = None  # moe_forward.MoeClassInfo, once moe_forward has run
-    compat: Any = None  # compat.CompatChanges, once compat has run
+    moe: MoeClassInfo | None = None  # filled by moe_forward
+    compat: CompatChanges | None = None  # filled by compat
     rendered: dict[str, Section] = field(default_factory=dict)
+    index: Index = field(default_factory=Index)
 
     def section(self, name: str, module: cst.Module) -> Section:
         """Section `name` rendered for this file, once per rewrite (fused_experts takes its model methods, block the
         rest)."""
         if name not in self.rendered:
-            self.rendered[name] = render_section(name, module, self.options)
+            self.rendered[name] = _rendered(name, module.config_for_parsing, self.options)
         return self.rendered[name]
+
+    def moe_class(self) -> MoeClassInfo:
+        if self.moe is None:  # CODEMODS' order is checked against READS, so only a bug gets here
+            raise InternalError("the MoE class was read before moe_forward found it")
+        return self.moe
+
+    def compat_changes(self) -> CompatChanges:
+        if self.compat is None:
+            raise InternalError("the compat changes were read before the compat codemod ran")
+        return self.compat
+
+
+@lru_cache(maxsize=256)
+def _rendered(name: str, config: cst.PartialParserConfig, options: RewriteOptions) -> Section:
+    """A section rendered for files with this newline, indentation and encoding: parsing the sections is a fifth of
+    a rewrite, and their nodes, immutable, can be shared between rewrites."""
+    layout = cst.Module(
+        body=[], encoding=config.encoding, default_indent=config.default_indent, default_newline=config.default_newline
+    )
+    return render_section(name, layout, options)
+
+
+class Codemod(Protocol):
+    """One rewrite: a module with these three names."""
+
+    READS: tuple[Field, ...]  # Context fields it reads, which an earlier codemod must provide
+    PROVIDES: tuple[Field, ...]  # Context fields it fills
+
+    def transform(self, module: cst.Module, context: Context) -> cst.Module: ...
+
+
+def body_lines(fn: cst.FunctionDef, where: str) -> list[cst.BaseStatement]:
+    """The statements of a function a codemod edits; one written on its `def` line (`def f(self): return x`) is
+    refused by name, as the edits go on lines of their own."""
+    if not isinstance(fn.body, cst.IndentedBlock):
+        raise RewriteError(f"{where}: its body is on the `def` line; put it on lines of its own to rewrite the file")
+    return list(fn.body.body)
 
 
 def _comments(node: cst.CSTNode) -> list[str]:
@@ -64,22 +151,25 @@ def marked(method: cst.FunctionDef) -> cst.FunctionDef:
     )
 
 
-def is_generated_method(stmt: cst.BaseStatement) -> bool:
+def is_generated_method(stmt: cst.BaseStatement, index: Index | None = None) -> bool:
     """A generated method: marked, or written by moe-rewrite 0.2 (no marker then: named moe_train or moe_rewrite_*
     in the MoE class, or in a model class documented "(generated by moe-rewrite)" or calling its helpers)."""
     if not isinstance(stmt, cst.FunctionDef):
         return False
     legacy_name = stmt.name.value == "moe_train" or stmt.name.value.startswith("moe_rewrite_")
     legacy_doc = "(generated by moe-rewrite)" in " ".join((stmt.get_docstring() or "").split())
-    legacy_call = bool(m.findall(stmt, LEGACY_CALL))
+    legacy_call = bool((index or Index()).facts(stmt).called & LEGACY_CALLS)
     return is_marked(stmt) or legacy_name or legacy_doc or legacy_call
+
+
+Block = TypeVar("Block", cst.Module, cst.IndentedBlock)
 
 
 def replace(module: cst.Module, old: cst.CSTNode, new: cst.CSTNode) -> cst.Module:
     """module.deep_replace(old, new) for a statement at the top level, in a top-level class or in one of its methods,
     looking only at those statements (deep_replace rebuilds every node of the file: most of a rewrite's time)."""
 
-    def swapped(block: Any) -> Any:
+    def swapped(block: Block) -> Block:
         return block.with_changes(body=[new if s is old else s for s in block.body])
 
     for stmt in module.body:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import libcst as cst
 
-from moe_rewrite.codemods import GENERATED_PREFIXES, Context, is_generated_method, marked
+from moe_rewrite.codemods import GENERATED_PREFIXES, Context, Field, is_generated_method, marked
+from moe_rewrite.codemods.index import Index
 from moe_rewrite.render import banner_lines, ordered
 
 BANNER = "# ---- moe-rewrite"  # the first line above the generated block (render.banner_lines)
+READS: tuple[Field, ...] = ("moe",)
+PROVIDES: tuple[Field, ...] = ()
 
 
 def _is_generated(stmt: cst.BaseStatement) -> bool:
@@ -59,11 +62,11 @@ def strip(module: cst.Module) -> cst.Module:
     return module.with_changes(body=[stmt for stmt in module.body if id(stmt) not in generated])
 
 
-def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.ClassDef:
+def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef], index: Index) -> cst.ClassDef:
     """The class with the generated methods right after its forward (replacing earlier ones)."""
     body: list[cst.BaseStatement] = []
     for stmt in moe.body.body:
-        if is_generated_method(stmt):
+        if is_generated_method(stmt, index):
             continue
         body.append(stmt)
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
@@ -72,6 +75,7 @@ def _with_methods(moe: cst.ClassDef, methods: list[cst.FunctionDef]) -> cst.Clas
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
+    moe = context.moe_class()
     names = ordered(context.sections)
     sections = [context.section(name, module) for name in names]
     statements: list[cst.BaseStatement] = []
@@ -79,12 +83,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         if section.statements:  # two blank lines between top-level definitions, as in the rest of the file
             statements.append(section.statements[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2))
             statements += section.statements[1:]
-    statements[0] = statements[0].with_changes(leading_lines=banner_lines(context.moe.name, context.options))
+    statements[0] = statements[0].with_changes(leading_lines=banner_lines(moe.name, context.options))
     methods = {method.name.value: marked(method) for section in sections for method in section.moe_methods}
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
-        if isinstance(stmt, cst.ClassDef) and stmt.name.value == context.moe.name:
-            body += [*statements, _with_methods(stmt, list(methods.values()))]
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value == moe.name:
+            body += [*statements, _with_methods(stmt, list(methods.values()), context.index)]
         else:
             body.append(stmt)
     return module.with_changes(body=body)

@@ -35,12 +35,13 @@ and a second run changes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, replace
+from moe_rewrite.codemods import MARK, CompatChanges, Context, Field, body_lines, replace
+from moe_rewrite.codemods.index import Index
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.render import render_statements
 
@@ -70,6 +71,11 @@ POSITION_IDS_GET = m.Call(
     ],
 )
 HELPERS = {helper: method for method, helper in CACHE_METHODS.items()}
+# The names a statement must hold for _Undo or _CacheCalls to change it.
+UNDONE = {POSITION_IDS_HELPER, SEEN_TOKENS_HELPER, ROPE_SCALING_HELPER, *HELPERS, "_tied_weights_keys"}
+CACHE_NAMES = {*CACHE_METHODS, "seen_tokens", "rope_scaling"}
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ("compat",)
 
 MIXIN_IMPORT = (
     "from transformers.generation import GenerationMixin  # moe-rewrite: generate() needs it since transformers 4.50\n"
@@ -92,33 +98,6 @@ TIED_OURS = m.SimpleStatementLine(
 )
 
 
-@dataclass
-class CompatChanges:
-    imports: list[str] = field(default_factory=list)  # the guarded names
-    cache_calls: int = 0
-    rope_scaling_reads: int = 0
-    position_ids: list[str] = field(default_factory=list)  # classes whose generation position ids are sliced
-    generation_mixin: list[str] = field(default_factory=list)  # classes given GenerationMixin
-    tied_keys: list[str] = field(default_factory=list)  # classes whose _tied_weights_keys became a dict
-
-    def describe(self) -> str:
-        """'compat: 2 imports guarded, 7 Cache calls, GenerationMixin on X' or '' when nothing changed."""
-        parts = []
-        if self.imports:
-            parts.append(f"{len(self.imports)} import{'s' if len(self.imports) != 1 else ''} guarded")
-        if self.cache_calls:
-            parts.append(f"{self.cache_calls} Cache call{'s' if self.cache_calls != 1 else ''}")
-        if self.rope_scaling_reads:
-            parts.append(f"{self.rope_scaling_reads} rope_scaling read{'s' if self.rope_scaling_reads != 1 else ''}")
-        if self.position_ids:
-            parts.append(f"generation position_ids sliced in {', '.join(self.position_ids)}")
-        if self.generation_mixin:
-            parts.append(f"GenerationMixin on {', '.join(self.generation_mixin)}")
-        if self.tied_keys:
-            parts.append(f"_tied_weights_keys as a dict in {', '.join(self.tied_keys)}")
-        return f"compat: {', '.join(parts)}" if parts else ""
-
-
 def _module_name(node: cst.ImportFrom) -> str:
     return "." * len(node.relative) + (cst.Module(body=[]).code_for_node(node.module) if node.module else "")
 
@@ -126,8 +105,10 @@ def _module_name(node: cst.ImportFrom) -> str:
 def _is_our_guard(stmt: cst.CSTNode) -> bool:
     if not (isinstance(stmt, cst.Try) and len(stmt.handlers) == 1):
         return False
-    comment = stmt.handlers[0].body.header.comment  # type: ignore[union-attr]
-    return comment is not None and comment.value.startswith(MARK)
+    handler = stmt.handlers[0].body
+    if not isinstance(handler, cst.IndentedBlock):  # `except ImportError: x = None`, the file's own
+        return False
+    return handler.header.comment is not None and handler.header.comment.value.startswith(MARK)
 
 
 def _is_our_mixin_import(stmt: cst.CSTNode) -> bool:
@@ -174,7 +155,7 @@ class _Undo(cst.CSTTransformer):
         return updated_node
 
 
-def undo(module: cst.Module) -> cst.Module:
+def undo(module: cst.Module, index: Index) -> cst.Module:
     """The module with every compat edit taken back (a module without any is returned unchanged)."""
     mixin_added = any(_is_our_mixin_import(s) for s in module.body)
     body: list[cst.BaseStatement] = []
@@ -191,7 +172,28 @@ def undo(module: cst.Module) -> cst.Module:
             body.append(stmt)
         else:
             body.append(stmt)
-    return module.with_changes(body=body).visit(_Undo())
+    return module.with_changes(body=_visit_mentioning(body, UNDONE, _Undo(), index))
+
+
+def _visit_mentioning(
+    body: Sequence[cst.BaseStatement], names: set[str], transformer: cst.CSTTransformer, index: Index
+) -> list[cst.BaseStatement]:
+    """`body` with `transformer` run over the statements that mention one of `names` (it changes no other); in a
+    class, over the methods that do, unless its header does."""
+    new: list[cst.BaseStatement] = []
+    for stmt in body:
+        if not index.mentions(stmt, *names):
+            new.append(stmt)
+        elif (
+            isinstance(stmt, cst.ClassDef)
+            and isinstance(stmt.body, cst.IndentedBlock)
+            and index.only_in_body(stmt, names)
+        ):
+            members = _visit_mentioning(stmt.body.body, names, transformer, index)
+            new.append(stmt.with_changes(body=stmt.body.with_changes(body=members)))
+        else:
+            new.append(cst.ensure_type(stmt.visit(transformer), cst.BaseStatement))
+    return new
 
 
 def _bound_names(node: cst.ImportFrom) -> list[tuple[str, str]]:
@@ -204,16 +206,14 @@ def _bound_names(node: cst.ImportFrom) -> list[tuple[str, str]]:
     ]
 
 
-def _uses(module: cst.Module, name: str) -> int:
-    return len(m.findall(module, m.Name(name)))
-
-
 def _gone_since(source: str, imported: str) -> str | None:
     """The transformers release that removed `from source import imported`, or None if it is still there."""
     return GONE_MODULES.get(source) or GONE_NAMES.get((source, imported))
 
 
-def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Module, changes: CompatChanges) -> cst.Try:
+def _guard(
+    stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Module, changes: CompatChanges, index: Index
+) -> cst.Try:
     source = _module_name(node)
     fallback: list[cst.BaseStatement] = []
     for imported, bound in _bound_names(node):
@@ -228,7 +228,7 @@ def _guard(stmt: cst.SimpleStatementLine, node: cst.ImportFrom, module: cst.Modu
             fallback.append(
                 cst.parse_statement(f"from {source} import {imported}{alias}\n", config=module.config_for_parsing)
             )
-        elif _uses(module, bound) > 1:  # more than the import itself
+        elif index.count(module, bound) > 1:  # more than the import itself
             raise RewriteError(
                 f"compat: `{imported}` from {source} is gone in transformers {since} and the file uses it; "
                 "moe-rewrite has no stand-in for it (rerun with --no-compat to keep the import as it is)"
@@ -297,12 +297,12 @@ class _CacheCalls(cst.CSTTransformer):
         return cst.Call(func=cst.Name(SEEN_TOKENS_HELPER), args=[cst.Arg(updated_node.value)])
 
 
-def _defines_cache_methods(module: cst.Module) -> list[str]:
+def _defines_cache_methods(module: cst.Module, index: Index) -> list[str]:
     names = set(CACHE_METHODS) | {"seen_tokens"}
-    return sorted({f.name.value for f in m.findall(module, m.FunctionDef()) if f.name.value in names})  # type: ignore[union-attr]
+    return sorted({name for facts in index.module_facts(module) for name in facts.functions if name in names})
 
 
-def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Module:
+def _add_generation_mixin(module: cst.Module, changes: CompatChanges, index: Index) -> cst.Module:
     generating = {
         id(s)
         for s in module.body
@@ -315,12 +315,12 @@ def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Mod
     }
     if not generating:
         return module
-    if _uses(module, "GenerationMixin"):
+    if index.count(module, "GenerationMixin"):
         raise RewriteError(
             "compat: the file names GenerationMixin already, but not as a base of its generating classes"
         )
     body: list[cst.BaseStatement] = []
-    last_import = max(i for i, s in enumerate(module.body) if _imports_transformers(s))
+    last_import = max(i for i, s in enumerate(module.body) if _imports_transformers(s, index))
     for i, stmt in enumerate(module.body):
         if id(stmt) in generating:
             assert isinstance(stmt, cst.ClassDef)
@@ -338,11 +338,10 @@ def _add_generation_mixin(module: cst.Module, changes: CompatChanges) -> cst.Mod
     return module.with_changes(body=body)
 
 
-def _imports_transformers(stmt: cst.CSTNode) -> bool:
+def _imports_transformers(stmt: cst.CSTNode, index: Index) -> bool:
     """A top-level `from transformers... import` line, or one of our guarded ones."""
     return isinstance(stmt, (cst.SimpleStatementLine, cst.Try)) and any(
-        _module_name(cst.ensure_type(n, cst.ImportFrom)).split(".")[0] == "transformers"
-        for n in m.findall(stmt, m.ImportFrom())
+        _module_name(n).split(".")[0] == "transformers" for n in index.facts(stmt).imports
     )
 
 
@@ -390,7 +389,10 @@ def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -
         for fn in cls.body.body:
             if not m.matches(fn, m.FunctionDef(name=m.Name("prepare_inputs_for_generation"))):
                 continue
-            body = list(cst.ensure_type(fn, cst.FunctionDef).body.body)
+            fn = cst.ensure_type(fn, cst.FunctionDef)
+            if not m.findall(fn, POSITION_IDS_GET):
+                continue
+            body = body_lines(fn, f"compat: {cls.name.value}.prepare_inputs_for_generation")
             gets = [i for i, s in enumerate(body) if m.findall(s, POSITION_IDS_GET)]
             slicing = [i for i, s in enumerate(body) if m.findall(s, m.AssignTarget(target=m.Name("input_ids")))]
             if len(gets) != 1 or (slicing and max(slicing) > gets[0]):
@@ -417,26 +419,27 @@ def _slice_generation_position_ids(module: cst.Module, changes: CompatChanges) -
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with its compat edits (re)made, or taken back without --compat; what they were goes in context."""
-    module = undo(module)
+    index = context.index
+    module = undo(module, index)
     changes = context.compat = CompatChanges()
     if not context.options.compat:
         return module
     for stmt in module.body:  # a removed import anywhere but at the top level cannot be guarded here
         if not m.matches(stmt, IMPORT_FROM_LINE):
-            for node in m.findall(stmt, m.ImportFrom()):
-                if _removed(cst.ensure_type(node, cst.ImportFrom)):
+            for node in index.facts(stmt).imports:
+                if _removed(node):
                     raise RewriteError(
                         f"compat: `from {_module_name(node)} import ...` inside a block; rerun with --no-compat"
                     )
     body = []
     for stmt in module.body:
         if m.matches(stmt, IMPORT_FROM_LINE) and _removed(stmt.body[0]):  # type: ignore[union-attr]
-            stmt = _guard(stmt, stmt.body[0], module, changes)  # type: ignore[arg-type]
+            stmt = _guard(stmt, stmt.body[0], module, changes, index)  # type: ignore[arg-type]
         body.append(stmt)
     module = module.with_changes(body=body)
-    own = _defines_cache_methods(module)
+    own = _defines_cache_methods(module, index)
     calls = _CacheCalls()
-    rewritten = module.visit(calls)
+    rewritten = module.with_changes(body=_visit_mentioning(module.body, CACHE_NAMES, calls, index))
     if calls.count and own:
         raise RewriteError(f"compat: the file defines its own {', '.join(own)}; rerun with --no-compat")
     changes.cache_calls = calls.count
@@ -449,4 +452,4 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     ]:
         if called:
             context.sections.add(section)
-    return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes), changes)
+    return _tied_keys_as_dict(_add_generation_mixin(rewritten, changes, index), changes)

@@ -16,9 +16,11 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, is_generated_method, marked, replace
+from moe_rewrite.codemods import Context, Field, is_generated_method, marked, replace
 from moe_rewrite.errors import RewriteError
 
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ()
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
 
 
@@ -44,7 +46,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         )
     methods = [marked(method) for name in layout for method in context.section(name, module).model_methods]
     for cls in classes:  # earlier generated methods go everywhere; new ones only into a single base class
-        body = [s for s in cls.body.body if not is_generated_method(s)]
+        body = [s for s in cls.body.body if not is_generated_method(s, context.index)]
         if len(classes) == 1:
             defined = {s.name.value for s in body if isinstance(s, cst.FunctionDef)}
             clashes = defined & {method.name.value for method in methods}

@@ -21,9 +21,11 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, replace
+from moe_rewrite.codemods import Context, Field, replace
 from moe_rewrite.errors import RewriteError
 
+READS: tuple[Field, ...] = ("moe",)
+PROVIDES: tuple[Field, ...] = ()
 SELF_TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
 FALSE = m.Name("False")
 TRUE = m.Name("True")
@@ -94,9 +96,10 @@ def _top(node: cst.CSTNode) -> list[cst.CSTNode]:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """V3 form: the router's training guards dropped (the V2 form's router trains as published)."""
-    if context.moe.form != "v3":
+    moe = context.moe_class()
+    if moe.form != "v3":
         return module
-    gate_class = context.moe.gate_class
+    gate_class = moe.gate_class
     if gate_class is None:
         raise RewriteError("the MoE class's __init__ does not assign `self.gate = <GateClass>(...)`")
     gates = [s for s in module.body if m.matches(s, m.ClassDef(name=m.Name(gate_class)))]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, replace
+from moe_rewrite.codemods import Context, Field, replace
 from moe_rewrite.errors import RewriteError
 
 CHECKPOINTING_ON = m.BooleanOperation(
@@ -38,9 +38,12 @@ CHECKPOINTING_ON = m.BooleanOperation(
     right=m.Attribute(value=m.Name("self"), attr=m.Name("training")),
 )
 MENTIONS_CHECKPOINTING = m.If(test=m.MatchIfTrue(lambda test: bool(m.findall(test, m.Name("gradient_checkpointing")))))
-OUR_CALL = m.Call(func=m.Name("_moe_rewrite_checkpoint_layer"))
+CHECKPOINT_LAYER = "_moe_rewrite_checkpoint_layer"
+OUR_CALL = m.Call(func=m.Name(CHECKPOINT_LAYER))
 USE_CACHE_ASSIGN = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name("use_cache"))])])
 NOTE = "# moe-rewrite: no KV cache under gradient checkpointing (a recomputed layer would add to it twice)."
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ()
 
 
 def _is_our_use_cache_guard(stmt: cst.CSTNode) -> bool:
@@ -152,12 +155,15 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         for cls in module.body
         if isinstance(cls, cst.ClassDef)
         for fn in cls.body.body
-        if isinstance(fn, cst.FunctionDef) and fn.name.value == "forward" and _layer_loops(fn)
+        if isinstance(fn, cst.FunctionDef)
+        and fn.name.value == "forward"
+        and context.index.mentions(fn, "layers")
+        and _layer_loops(fn)
     ]
     # A file without a decoder loop (a bare MoE module) has nothing to checkpoint: on by default, so not an error.
     for forward in forwards:
         if not _natively_checkpointed(forward):  # the V2 form checkpoints already
             module = replace(module, forward, _rewrite_forward(forward, enabled, module.config_for_parsing))
-    if m.findall(module, OUR_CALL):
+    if any(CHECKPOINT_LAYER in facts.called for facts in context.index.module_facts(module)):
         context.sections.add("checkpoint_layer")
     return module

@@ -37,7 +37,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, is_generated_method, is_marked, replace
+from moe_rewrite.codemods import Context, Field, body_lines, is_generated_method, is_marked, replace
+from moe_rewrite.codemods.index import Index
 
 GUARD = (
     "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n"
@@ -57,19 +58,21 @@ NON_PERSISTENT = m.Call(
     args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("persistent"), value=m.Name("False")), m.ZeroOrMore()],
 )
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ()
 INIT_WEIGHTS = m.FunctionDef(
     name=m.Name("_init_weights"), params=m.Parameters(params=[m.Param(), m.Param(name=m.Name("module"))])
 )
 
 
-def _buffer_classes(module: cst.Module) -> list[str]:
+def _buffer_classes(module: cst.Module, index: Index) -> list[str]:
     """Top-level classes that register a non-persistent buffer (outside moe-rewrite's own methods, whose buffers are
     made on first use), and the file's subclasses of them."""
     classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
 
     def registers(cls: cst.ClassDef) -> bool:
-        own = [s for s in cls.body.body if not is_generated_method(s)]
-        return any(m.findall(s, NON_PERSISTENT) for s in own)
+        own = [s for s in cls.body.body if not is_generated_method(s, index)]
+        return any("register_buffer" in index.facts(s).attributes and m.findall(s, NON_PERSISTENT) for s in own)
 
     found = [c.name.value for c in classes if registers(c)]
     for cls in classes:  # in file order, so a subclass follows its base
@@ -87,9 +90,10 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with the edits above (re)made (the bias line where the file has a correction bias); the guard and
     the buffers with compat only."""
     guard = context.options.compat
-    correction_bias = bool(m.findall(module, m.Attribute(attr=m.Name("e_score_correction_bias"))))
+    index = context.index
+    correction_bias = any("e_score_correction_bias" in facts.attributes for facts in index.module_facts(module))
     module = module.with_changes(body=[s for s in module.body if not (m.matches(s, RECORDS_LINE) and is_marked(s))])
-    buffered = _buffer_classes(module)
+    buffered = _buffer_classes(module, index)
     used = False
     for cls in module.body:
         if not (isinstance(cls, cst.ClassDef) and any(m.matches(b.value, PRETRAINED_BASE) for b in cls.bases)):
@@ -98,7 +102,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             if not m.matches(fn, INIT_WEIGHTS):
                 continue
             fn = cst.ensure_type(fn, cst.FunctionDef)
-            body = [s for s in fn.body.body if not is_marked(s)]
+            body = [s for s in body_lines(fn, f"{cls.name.value}._init_weights") if not is_marked(s)]
             if guard:
                 docstring = m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))
                 added = [_statement(RESTORE, module)] if buffered else []

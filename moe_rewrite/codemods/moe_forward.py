@@ -38,16 +38,17 @@ which runs the grouped GEMMs instead only where moe_infer cannot index the exper
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context
+from moe_rewrite.codemods import Context, Field, MoeClassInfo
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ("moe",)
 NOT_SELF_TRAINING = m.UnaryOperation(operator=m.Not(), expression=SELF_TRAINING)
 # the eval branch's call, as published or as moe-rewrite left it (moe_rewrite_infer calls moe_infer)
 MOE_INFER_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("moe_infer") | m.Name("moe_rewrite_infer")))
@@ -59,13 +60,6 @@ EP_SIZE_IS_1 = m.Comparison(
     left=m.Attribute(value=m.Name("self"), attr=m.Name("ep_size")),
     comparisons=[m.ComparisonTarget(operator=m.Equal(), comparator=m.Integer("1"))],
 )
-
-
-@dataclass
-class MoeClassInfo:
-    name: str
-    gate_class: str | None
-    form: str  # "v3" or "v2"
 
 
 def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
