@@ -86,8 +86,9 @@ def set_backend(modeling, env):
         os.environ.pop(variable, None)
         if env.get(variable) is not None:
             os.environ[variable] = env[variable]
-    for cache in ("_moe_rewrite_kernels", "_moe_rewrite_settings"):
-        getattr(modeling, cache, {}).clear()
+    for name, cache in list(vars(modeling).items()):  # every cache of the generated code is a _moe_rewrite_*_cache
+        if name.startswith("_moe_rewrite_") and name.endswith("_cache") and isinstance(cache, dict):
+            cache.clear()
 
 
 def routings(cfg, device, seed):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_moe as b  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
-from moe_rewrite.runtime import triton_kernels as tk  # noqa: E402  (the generated code's own gather and SwiGLU kernels)
+from moe_rewrite.runtime import dispatch, triton_gather, triton_swiglu  # noqa: E402  (the generated code's own kernels)
 
 
 @triton.jit
@@ -229,7 +229,7 @@ def probe(name, cfg, reps, device, only_wgrad=False):
     x, ids, _, _ = b.routings(cfg, device, seed=1)[0]
     tokens, offsets, positions = route(ids, E)
     real = tokens.numel()
-    kernels = tk._moe_rewrite_build_triton()
+    kernels = dispatch._moe_rewrite_build_triton()
     pad = 129 * E - real if 0 < 129 * E - real <= real // 8 else 0  # the generated code's padding (change 22)
     padded = torch.cat([tokens, tokens.new_zeros(pad)])
     rows = x.index_select(0, padded)
@@ -240,10 +240,10 @@ def probe(name, cfg, reps, device, only_wgrad=False):
     cases = [  # (gemm, torch's call as the generated code makes it, the probe's call per config, what to compare)
         (
             "gate_up fwd + gather + swiglu",
-            lambda: tk._moe_rewrite_swiglu(
+            lambda: triton_swiglu._moe_rewrite_swiglu(
                 kernels,
                 torch._grouped_mm(
-                    tk._moe_rewrite_gather_rows(kernels, x, positions, real + pad, x.dtype),
+                    triton_gather._moe_rewrite_gather_rows(kernels, x, positions, real + pad, x.dtype),
                     w_gate_up.transpose(1, 2),
                     offs=offsets,
                 ),

@@ -1,6 +1,6 @@
 """`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
 the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why (on a GPU, also whether
-its Triton kernels run). Both come from the generated code's own choice (runtime/grouped_gemm.py), so they are what a
+its Triton kernels run). Both come from the generated code's own choice (runtime/dispatch.py), so they are what a
 rewritten file does on this machine.
 """
 
@@ -45,9 +45,9 @@ def transformers_support(version: str | None) -> str:
 
 
 def _runtime():
-    """runtime/grouped_gemm.py as a module, loaded afresh as a new process would (it reads the environment once),
-    of the runtime as a package (it imports its sibling sections): the generated code's kernel choice as the
-    rewritten files run it."""
+    """runtime/dispatch.py (the kernel choice) as a module, loaded afresh as a new process would (it reads the
+    environment once), of the runtime as a package (it imports its sibling sections): the generated code's kernel
+    choice as the rewritten files run it."""
     package = "_moe_rewrite_env_runtime"
     for name in [name for name in sys.modules if name.split(".")[0] == package]:
         del sys.modules[name]
@@ -55,7 +55,7 @@ def _runtime():
     spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(init.parent)])
     sys.modules[package] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[package])
-    return importlib.import_module(f"{package}.grouped_gemm")
+    return importlib.import_module(f"{package}.dispatch")
 
 
 def _why(kernel: str, device, torch) -> str:
@@ -105,7 +105,7 @@ def report() -> list[str]:
 
 
 def _elementwise(runtime, device, torch) -> str:
-    """Whether the Triton kernels (runtime/triton_kernels.py) run the route, SwiGLU, the weighted un-sort and (sm90,
+    """Whether the Triton kernels (runtime/triton_*.py) run the route, SwiGLU, the weighted un-sort and (sm90,
     few rows per expert) the grouped GEMM here."""
     if runtime._moe_rewrite_triton(device, torch.bfloat16) is not None:
         return "Triton kernels (the route, SwiGLU, its backward, the weighted un-sort; sm90: the grouped GEMM)"

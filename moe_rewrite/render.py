@@ -22,8 +22,18 @@ from moe_rewrite.options import RewriteOptions
 
 # Every section, in the order the generated block holds them: name -> what it does, in one sentence.
 SECTIONS = {
-    "grouped_gemm": "the grouped-GEMM core: expert MLPs as two grouped GEMMs over tokens sorted by expert (moe_train)",
-    "triton_kernels": "Triton kernels: the route, SwiGLU, the weighted un-sort, a grouped GEMM (CUDA, with triton)",
+    "dispatch": "the kernel choice: grouped-GEMM kernel and Triton kernels per device and dtype, once per process",
+    "route": "the route: rows sorted by expert, and the gather, un-sort and weighted combine along it",
+    "grouped_linear": "the grouped GEMM with autograd over weight sources, and the gather of x's rows",
+    "expert_output": "act_fn(gate) * up, the down GEMM and the weighted combine as one autograd node",
+    "backends": "the expert MLPs outside the grouped GEMMs: SonicMoE's kernels and the per-expert loop",
+    "moe_train": "MoE.moe_train: the routed experts in training mode, LoRA adapters' GEMMs included",
+    "triton_block": "the column block of the row-wise Triton kernels",
+    "triton_route": "the route in one Triton launch",
+    "triton_gather": "the gather of each token's row to its top-k places in Triton",
+    "triton_swiglu": "SwiGLU and its backward in Triton",
+    "triton_sum_rows": "the weighted un-sort and sum of each token's rows, and its backward, in Triton",
+    "triton_gemm": "a Triton grouped GEMM for few rows per expert on sm90",
     "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
     "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
@@ -38,7 +48,12 @@ SECTIONS = {
     "compat_generation": "generation position ids sliced as transformers 4.x passed them",
     "init_guards": "_init_weights keeps loaded weights and rebuilds non-persistent buffers on transformers 5.x",
 }
-OPTIONS_NAME = "_moe_rewrite_options"  # grouped_gemm.py's options dict, filled with the rewrite's options
+# The core's sections: moe_train and everything it calls, which every rewritten MoE layer needs
+CORE_SECTIONS = frozenset(
+    ["dispatch", "route", "grouped_linear", "expert_output", "backends", "moe_train"]
+    + ["triton_block", "triton_route", "triton_gather", "triton_swiglu", "triton_sum_rows", "triton_gemm"]
+)
+OPTIONS_NAME = "_moe_rewrite_options"  # dispatch.py's options dict, filled with the rewrite's options
 PLACEHOLDERS = ("MoE", "Model")
 
 
@@ -71,8 +86,8 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 
 
 def render_section(name: str, module: cst.Module, options: RewriteOptions | None = None) -> Section:
-    """Section `name` parsed with the target module's newline and indentation; with `options`, grouped_gemm's options
-    dict holds them."""
+    """Section `name` parsed with the target module's newline and indentation; with `options`, dispatch's options dict
+    holds them."""
     text = load_section(name).replace("\n", module.default_newline)
     parsed = cst.parse_module(text, config=module.config_for_parsing)
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}

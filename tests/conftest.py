@@ -48,13 +48,25 @@ _interpret_triton_without_a_gpu()
 
 
 def forget_runtime_settings() -> None:
-    """Make every loaded patched module read its environment variables and choose its kernel again (the generated
-    code does both once per process)."""
+    """Make every loaded patched module and runtime section read its environment variables and choose its kernels
+    again (the generated code does both once per process): every dict named `_moe_rewrite_*_cache` (runtime/dispatch.py)
+    in a module holding the generated options is emptied."""
     for module in list(sys.modules.values()):
-        for name in ("_moe_rewrite_kernels", "_moe_rewrite_settings"):
-            cache = getattr(module, "__dict__", {}).get(name)
-            if isinstance(cache, dict):
+        namespace = getattr(module, "__dict__", {})
+        if "_moe_rewrite_options" not in namespace:
+            continue
+        for name, cache in list(namespace.items()):
+            if name.startswith("_moe_rewrite_") and name.endswith("_cache") and isinstance(cache, dict):
                 cache.clear()
+
+
+def patch_runtime(monkeypatch, name: str, value) -> None:
+    """Set `name` to `value` in every runtime section that holds it, for the test. A rewritten file holds one binding
+    per name (its sections in one module); the runtime package holds one per section that defines or imports it."""
+    sections = [m for key, m in sys.modules.items() if key.startswith("moe_rewrite.runtime.") and name in vars(m)]
+    assert sections, f"no runtime section holds {name}"
+    for module in sections:
+        monkeypatch.setattr(module, name, value)
 
 
 def runtime_env(monkeypatch, name: str, value: str | None) -> None:

@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import runtime_env  # noqa: E402
+from conftest import patch_runtime, runtime_env  # noqa: E402
 from test_runtime import tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import grouped_gemm  # noqa: E402
+from moe_rewrite.runtime import backends, dispatch, triton_swiglu  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -61,7 +61,7 @@ def untuned_quack(monkeypatch):
 @pytest.mark.parametrize("kind,tokens", [("random", 300), ("skewed", 300), ("random", 1)])
 @pytest.mark.parametrize("backend,triton", [("torch", "1"), ("torch", "0"), ("sonicmoe", "1")])
 def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, triton, kind, tokens):
-    if backend == "sonicmoe" and grouped_gemm._moe_rewrite_sonicmoe() is None:
+    if backend == "sonicmoe" and dispatch._moe_rewrite_sonicmoe() is None:
         pytest.skip("sonic-moe is not installed")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm and SonicMoE are fast on sm90 and later only")
@@ -77,9 +77,9 @@ def test_the_gpu_kernels_equal_the_loop(monkeypatch, backend, triton, kind, toke
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", backend)
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", triton)
     ran = []
-    sonic, swiglu = grouped_gemm._moe_rewrite_sonicmoe_experts, grouped_gemm._moe_rewrite_swiglu
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append("sonic") or sonic(*a))
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_swiglu", lambda *a: ran.append("triton") or swiglu(*a))
+    sonic, swiglu = backends._moe_rewrite_sonicmoe_experts, triton_swiglu._moe_rewrite_swiglu
+    patch_runtime(monkeypatch, "_moe_rewrite_sonicmoe_experts", lambda *a: ran.append("sonic") or sonic(*a))
+    patch_runtime(monkeypatch, "_moe_rewrite_swiglu", lambda *a: ran.append("triton") or swiglu(*a))
     got = step(moe, x, ids, w, probe)
     # SonicMoE ran it (not the fallback), or the Triton kernels did where they are on
     assert ran == (["sonic"] if backend == "sonicmoe" else ["triton"] if triton == "1" else [])

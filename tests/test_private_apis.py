@@ -40,7 +40,7 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")
 def test_grouped_mm_multiplies_each_expert_slice_by_its_own_weight():
-    """grouped_gemm.py: torch's only grouped GEMM (transformers' grouped_mm experts use it too)."""
+    """grouped_linear.py: torch's only grouped GEMM (transformers' grouped_mm experts use it too)."""
     a, b = torch.randn(7, 4), torch.randn(3, 5, 4)
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 gets no rows
     out = torch._grouped_mm(a, b.transpose(1, 2), offs=offsets)

@@ -9,15 +9,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import runtime_env  # noqa: E402
+from conftest import forget_runtime_settings, runtime_env  # noqa: E402
 
 from moe_rewrite.runtime import (  # noqa: E402
+    backends,
+    dispatch,
     expert_linears,
+    expert_output,
     fused_checkpoint,
     fused_experts,
-    grouped_gemm,
+    grouped_linear,
+    moe_train,
     parameter_lora,
     per_expert,
+    route,
 )
 
 ACT = torch.nn.functional.silu
@@ -39,7 +44,7 @@ def tiny_moe(layout, experts=6, hidden=8, inter=5):
     """A MoE layer made of the runtime's own MoE-class methods: moe_train (the core) and the seam of `layout`."""
     seam = per_expert.MoE if layout == "per_expert" else fused_experts.MoE
 
-    class TinyMoE(grouped_gemm.MoE, parameter_lora.MoE, seam, torch.nn.Module):
+    class TinyMoE(moe_train.MoE, parameter_lora.MoE, seam, torch.nn.Module):
         def __init__(self):
             torch.nn.Module.__init__(self)
             self.ep_size = 1
@@ -130,16 +135,15 @@ def test_route_sorts_the_rows_by_expert_stably(experts):
     tokens, k = 50, 4
     ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
     ids[::7, 0] = experts - 1  # some experts get many rows, most none
-    offsets, (order, tokens_of_rows, positions) = grouped_gemm._moe_rewrite_route(ids, experts, with_positions=True)
+    offsets, routed = route._moe_rewrite_route(ids, experts, with_positions=True)
+    order, tokens_of_rows, positions = routed.order, routed.tokens, routed.positions
     flat = ids.reshape(-1)
     want = sorted(range(flat.numel()), key=lambda j: (int(flat[j]), j))
     assert order.tolist() == want
     assert torch.equal(tokens_of_rows, order // k) and torch.equal(order[positions], torch.arange(flat.numel()))
     counts = torch.bincount(flat, minlength=experts)
     assert offsets.dtype == torch.int32 and torch.equal(offsets, counts.cumsum(0).to(torch.int32))
-    assert (
-        grouped_gemm._moe_rewrite_route(ids, experts, with_positions=False)[1][2] is None
-    )  # only the Triton kernels read it
+    assert route._moe_rewrite_route(ids, experts, with_positions=False)[1].positions is None  # only Triton reads it
 
 
 @pytest.mark.parametrize("kernel", ["sorted", "torch"])
@@ -156,7 +160,9 @@ def test_grouped_linear_passes_gradcheck(kernel):
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
 
     def linear(x, weight):
-        return grouped_gemm._moe_rewrite_linear(x, offsets, kernel, True, grouped_gemm._MoeRewriteExpertWeight(weight))
+        return grouped_linear._moe_rewrite_linear(
+            x, offsets, kernel, True, grouped_linear._MoeRewriteExpertWeight(weight)
+        )
 
     if kernel == "sorted":
         assert torch.autograd.gradcheck(linear, (x, weight))
@@ -185,8 +191,8 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     dtype = torch.float64 if kernel == "sorted" else torch.float32  # torch._grouped_mm: bf16 / fp32 only
     tokens, k, inter, hidden = 5, 2, 4, 8
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, with_positions=False)
-    order = route[0]
+    offsets, routed = route._moe_rewrite_route(ids, 4, with_positions=False)
+    order = routed.order
     assert torch.equal(order, ids.reshape(-1).argsort(stable=True))
     assert offsets.dtype == torch.int32 and offsets.tolist() == [3, 3, 7, 10]
     gate_up = torch.randn(tokens * k, 2 * inter, dtype=dtype, requires_grad=True)
@@ -194,9 +200,9 @@ def test_expert_output_node_passes_gradcheck(kernel, keep_stacked, act):
     down = torch.randn(4, hidden, inter, dtype=dtype, requires_grad=True)
 
     def node(gate_up, weight, down):
-        source = grouped_gemm._MoeRewriteExpertWeight(down)
-        return grouped_gemm._MoeRewriteExpertOutput.apply(
-            gate_up, weight, route, offsets, kernel, keep_stacked, act, None, source, down
+        source = grouped_linear._MoeRewriteExpertWeight(down)
+        return expert_output._MoeRewriteExpertOutput.apply(
+            gate_up, weight, routed, offsets, kernel, keep_stacked, act, None, source, down
         )
 
     def composed(gate_up, weight, down):  # per row: its expert's down(act(gate) * up), then the weighted sum
@@ -227,15 +233,15 @@ def test_gathered_linear_passes_gradcheck(keep_stacked, compute):
     (through the cast to the compute dtype and back), the weight's, an empty expert's exactly zero."""
     tokens, k, hidden, out = 5, 2, 4, 6
     ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3]])  # expert 1 gets no rows
-    offsets, route = grouped_gemm._moe_rewrite_route(ids, 4, with_positions=False)
-    order = route[0]
+    offsets, routed = route._moe_rewrite_route(ids, 4, with_positions=False)
+    order = routed.order
     x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(4, out, hidden, dtype=torch.float64, requires_grad=True)
 
     def node(x, weight):
-        source = grouped_gemm._MoeRewriteExpertWeight(weight)
-        gather = (route, k, compute, None)
-        return grouped_gemm._moe_rewrite_linear(x, offsets, "sorted", keep_stacked, source, gather=gather)
+        source = grouped_linear._MoeRewriteExpertWeight(weight)
+        gather = grouped_linear._MoeRewriteGatherPlan(routed, k, compute, None)
+        return grouped_linear._moe_rewrite_linear(x, offsets, "sorted", keep_stacked, source, gather=gather)
 
     if compute == torch.float64:
         assert torch.autograd.gradcheck(node, (x, weight))
@@ -269,19 +275,16 @@ def test_per_expert_weights_in_one_buffer_are_viewed_not_copied():
 
 
 def test_kernel_choice_and_settings_are_read_once_per_process(monkeypatch):
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
+    forget_runtime_settings()
     monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
     cpu = torch.device("cpu")
-    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "loop"
+    assert dispatch._moe_rewrite_kernel(cpu, torch.float32) == "loop"
     monkeypatch.setenv("MOE_REWRITE_BACKEND", "torch")  # too late: this process has chosen
-    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "loop"
-    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float64) == "loop"  # the setting was read once too
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
-    assert grouped_gemm._moe_rewrite_kernel(cpu, torch.float32) == "sorted"  # "torch" falls back off sm90
-    grouped_gemm._moe_rewrite_kernels.clear()
-    grouped_gemm._moe_rewrite_settings.clear()
+    assert dispatch._moe_rewrite_kernel(cpu, torch.float32) == "loop"
+    assert dispatch._moe_rewrite_kernel(cpu, torch.float64) == "loop"  # the setting was read once too
+    forget_runtime_settings()
+    assert dispatch._moe_rewrite_kernel(cpu, torch.float32) == "sorted"  # "torch" falls back off sm90
+    forget_runtime_settings()
 
 
 def test_sonicmoe_backend_is_refused_where_it_cannot_run_and_gives_way_to_the_grouped_gemms(monkeypatch):
@@ -289,27 +292,29 @@ def test_sonicmoe_backend_is_refused_where_it_cannot_run_and_gives_way_to_the_gr
     still runs its own GEMMs for what SonicMoE cannot reproduce (tests/test_cuda_kernels.py runs SonicMoE itself)."""
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "sonicmoe")
     with pytest.raises(RuntimeError, match="'sonicmoe' needs the sonic-moe package, an sm90 GPU"):
-        grouped_gemm._moe_rewrite_kernel(torch.device("cpu"), torch.bfloat16)
+        dispatch._moe_rewrite_kernel(torch.device("cpu"), torch.bfloat16)
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", None)
     moe = tiny_moe("fused", hidden=16, inter=8)
     moe.experts.act_fn = torch.nn.SiLU()
     x = torch.randn(3, 16, dtype=torch.float64)
     ids, w = routing(3, 6, 2)
-    gate_up, down, act, adapters = moe.moe_rewrite_expert_weights()
-    lora = grouped_gemm._MoeRewriteExpertWeight(torch.zeros(6, 2, 16))
+    mine = moe.moe_rewrite_expert_weights()
+    gate_up, down, act, adapters = mine.gate_up, mine.down, mine.act_fn, mine.adapters
+    lora = grouped_linear._MoeRewriteExpertWeight(torch.zeros(6, 2, 16))
+    mlp = grouped_linear._MoeRewriteExpertMLP
     gelu = torch.nn.GELU()
     for weights in [
-        (gate_up, down, act, {"gate_up_proj": ((lora, lora, 1.0, torch.nn.Identity()),)}),  # an adapter
-        (gate_up, down, gelu, adapters),  # another activation
-        (expert_linears._MoeRewriteExpertLinears([torch.zeros(8, 16)] * 12, 2), down, act, adapters),  # per-expert
-        (grouped_gemm._MoeRewriteExpertWeight(torch.zeros(6, 14, 16)), down, act, adapters),  # rows not aligned
+        mlp(gate_up, down, act, {"gate_up_proj": ((lora, lora, 1.0, torch.nn.Identity()),)}),  # an adapter
+        mlp(gate_up, down, gelu, adapters),  # another activation
+        mlp(expert_linears._MoeRewriteExpertLinears([torch.zeros(8, 16)] * 12, 2), down, act, adapters),  # per-expert
+        mlp(grouped_linear._MoeRewriteExpertWeight(torch.zeros(6, 14, 16)), down, act, adapters),  # rows not aligned
     ]:
-        assert grouped_gemm._moe_rewrite_sonicmoe_experts(x, ids, w, weights, torch.bfloat16) is None
+        assert backends._moe_rewrite_sonicmoe_experts(x, ids, w, weights, torch.bfloat16) is None
     # what SonicMoE cannot run goes through torch._grouped_mm (the kernel where "sonicmoe" is chosen)
     moe.float().experts.act_fn = gelu
     x, w = x.float(), w.float()
     weights = moe.moe_rewrite_expert_weights()
-    y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sonicmoe", torch.float32, None)
+    y = moe_train._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sonicmoe", torch.float32, None)
     assert torch.allclose(y, reference(moe.experts, x, ids, w), atol=1e-5)
 
 
@@ -341,7 +346,7 @@ def test_the_per_step_check_of_the_expert_views_agrees_with_the_full_one(monkeyp
         with monkeypatch.context() as m:
             m.setattr(type(experts), "_moe_rewrite_own_projections", lambda self: False)
             full = moe.moe_rewrite_expert_weights()
-        assert (got is None) == (full is None) and (got is None or got[3] == full[3] == {})
+        assert (got is None) == (full is None) and (got is None or got.adapters == full.adapters == {})
         return quick(experts), got is not None
 
     class Doubled(fused_experts._MoeRewriteExpertProjection):
@@ -366,12 +371,12 @@ def test_the_per_step_check_of_the_expert_views_agrees_with_the_full_one(monkeyp
         # back as made (as PEFT's merge_and_unload puts the base layer back): the quick check holds again
         original.__class__ = fused_experts._MoeRewriteExpertProjection
         original._modules.clear()
-        view = experts.__dict__["_moe_rewrite_made"][1][3]
+        view = experts.__dict__["_moe_rewrite_made"].views[3]
         experts.add_module("3", view)
         view.up_proj = original
         assert both() == (True, True), why
     copied = copy.deepcopy(moe)  # a copy checks its own views
-    made = [e.__dict__["_moe_rewrite_made"][4] for e in (copied.experts, experts)]
+    made = [e.__dict__["_moe_rewrite_made"].flat for e in (copied.experts, experts)]
     assert quick(copied.experts) and not any(a is b for a, b in zip(*made))
     copied.experts[0].gate_proj = torch.nn.Linear(8, 5).double()
     assert not quick(copied.experts) and quick(experts)

@@ -1,4 +1,4 @@
-"""The Triton kernels of runtime/triton_kernels.py against float64 references, alone and inside moe_train (output
+"""The Triton kernels of runtime/triton_*.py against float64 references, alone and inside moe_train (output
 and the gradients of x, the routing weights and both fused parameters). On the CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1, small sizes, a few column blocks per row); where there is a CUDA GPU, compiled, at Moonlight's
 row widths.
@@ -12,10 +12,21 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")  # in the test extra: CI has it
 
-from conftest import runtime_env  # noqa: E402
+from conftest import patch_runtime, runtime_env  # noqa: E402
 from test_runtime import reference, routing, tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import grouped_gemm, triton_kernels  # noqa: E402
+from moe_rewrite.runtime import (  # noqa: E402
+    dispatch,
+    expert_output,
+    grouped_linear,
+    moe_train,
+    route,
+    triton_gather,
+    triton_gemm,
+    triton_route,
+    triton_sum_rows,
+    triton_swiglu,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton interpret without a GPU
 
@@ -25,10 +36,10 @@ def kernels(monkeypatch):
     """(device, kernels); on the CPU with 16-column blocks (and 16-row route blocks), so that the small rows take
     several blocks and a ragged last one."""
     if DEVICE == "cpu":
-        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_TRITON_BLOCK", 16)
-        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_ROUTE_BLOCK", 16)
-        monkeypatch.setattr(triton_kernels, "MOE_REWRITE_GEMM_TILE", (16, 32, 16, 4, 1))
-    return DEVICE, triton_kernels._moe_rewrite_build_triton()
+        patch_runtime(monkeypatch, "MOE_REWRITE_TRITON_BLOCK", 16)
+        patch_runtime(monkeypatch, "MOE_REWRITE_ROUTE_BLOCK", 16)
+        patch_runtime(monkeypatch, "MOE_REWRITE_GEMM_TILE", (16, 32, 16, 4, 1))
+    return DEVICE, dispatch._moe_rewrite_build_triton()
 
 
 def sizes(device):
@@ -46,14 +57,14 @@ def test_swiglu_and_its_backward_equal_float64(kernels):
     rows, inter, _ = sizes(device)
     gate_up = torch.randn(rows, 2 * inter, device=device)
     grad_h, row_weight = torch.randn(rows, inter, device=device), torch.rand(rows, device=device)
-    assert torch.allclose(triton_kernels._moe_rewrite_swiglu(kernels, gate_up).double(), silu_mul(gate_up.double()))
+    assert torch.allclose(triton_swiglu._moe_rewrite_swiglu(kernels, gate_up).double(), silu_mul(gate_up.double()))
 
     exact = gate_up.double().requires_grad_(True)
     hidden = silu_mul(exact)
     (want_grad,) = torch.autograd.grad(hidden, exact, grad_h.double() * row_weight.double()[:, None])
     for weighted in (False, True):
         overwritten = grad_h.clone()
-        got_grad, per_row = triton_kernels._moe_rewrite_swiglu_backward(
+        got_grad, per_row = triton_swiglu._moe_rewrite_swiglu_backward(
             kernels, gate_up, overwritten, row_weight, weighted
         )
         assert torch.allclose(got_grad.double(), want_grad, atol=1e-5)
@@ -68,14 +79,14 @@ def test_sum_rows_unsorts_and_weights_each_tokens_rows(kernels):
     tokens, top_k = 7, 3
     rows = torch.randn(tokens * top_k, hidden, device=device)
     order = torch.randperm(tokens * top_k, device=device)
-    positions = grouped_gemm._moe_rewrite_positions(order)
+    positions = route._moe_rewrite_positions(order)
     assert torch.equal(order[positions], torch.arange(tokens * top_k, device=device))
     unsorted = torch.empty_like(rows).index_copy_(0, order, rows).view(tokens, top_k, hidden).double()
     weight = torch.rand(tokens, top_k, device=device)
-    got = triton_kernels._moe_rewrite_sum_rows(kernels, rows, positions, top_k, weight, torch.float32)
+    got = triton_sum_rows._moe_rewrite_sum_rows(kernels, rows, positions, top_k, weight, torch.float32)
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), (unsorted * weight.double()[..., None]).sum(1), atol=1e-5)
-    got = triton_kernels._moe_rewrite_sum_rows(kernels, rows.bfloat16(), positions, top_k)
+    got = triton_sum_rows._moe_rewrite_sum_rows(kernels, rows.bfloat16(), positions, top_k)
     rounded = torch.empty_like(rows).index_copy_(0, order, rows.bfloat16().float()).view(tokens, top_k, hidden)
     want = rounded.sum(1)  # summed in float32, one rounding to bf16
     assert got.dtype == torch.bfloat16
@@ -97,7 +108,7 @@ def test_sum_rows_backward_equals_float64(kernels):
     rows = torch.randn(tokens * top_k, hidden, device=device)
     grad = torch.randn(tokens, hidden, device=device)
     row_weight = torch.rand(tokens * top_k, device=device)
-    backward = triton_kernels._moe_rewrite_sum_rows_backward
+    backward = triton_sum_rows._moe_rewrite_sum_rows_backward
     grad_rows, per_row = backward(kernels, grad, rows, token_of_row, row_weight, torch.float32)
     token_grad = grad.double()[token_of_row]
     assert grad_rows.dtype == torch.float32 and per_row.dtype == torch.float32
@@ -121,9 +132,9 @@ def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, to
     torch.manual_seed(tokens + pad)
     x = torch.randn(tokens, hidden, device=device)
     order = torch.randperm(tokens * top_k, device=device)
-    positions = grouped_gemm._moe_rewrite_positions(order)
+    positions = route._moe_rewrite_positions(order)
     token_of_row = torch.cat([order // top_k, order.new_zeros(pad)])
-    gather = triton_kernels._moe_rewrite_gather_rows
+    gather = triton_gather._moe_rewrite_gather_rows
     for dtype in (torch.float32, torch.bfloat16):
         out = gather(kernels, x, positions, token_of_row.numel(), dtype)
         want = x.index_select(0, token_of_row).to(dtype)
@@ -136,7 +147,7 @@ def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, to
     for weight_dtype in (torch.float32, torch.bfloat16):
         topk_weight = torch.rand(tokens, top_k, device=device).to(weight_dtype)
         out, row_weight = gather(kernels, x.bfloat16(), positions, token_of_row.numel(), torch.bfloat16, topk_weight)
-        want_weight = grouped_gemm._moe_rewrite_row_weights(topk_weight, order, token_of_row)
+        want_weight = route._moe_rewrite_row_weights(topk_weight, order, token_of_row)
         assert torch.equal(out, rows) and row_weight.dtype == weight_dtype and torch.equal(row_weight, want_weight)
 
 
@@ -156,15 +167,16 @@ def test_the_route_kernel_gives_the_torch_route(kernels, tokens, experts, top_k,
     if skew:
         ids[:, 0] = experts // 2
         ids[ids >= experts - 2] = experts // 2 + 1  # the last two experts get nothing
-    for padding in (0, 3, 2 * experts * triton_kernels.MOE_REWRITE_ROUTE_BLOCK + 5):
-        want_offsets, want = grouped_gemm._moe_rewrite_route(ids, experts, True, padding=padding)
+    for padding in (0, 3, 2 * experts * triton_route.MOE_REWRITE_ROUTE_BLOCK + 5):
+        want_offsets, want = route._moe_rewrite_route(ids, experts, True, padding=padding)
         poisoned = torch.full((tokens * top_k + padding,), -1, dtype=torch.int64, device=device)
         del poisoned  # the allocator hands its block to the route: unwritten padding would show as -1
-        got_offsets, got = grouped_gemm._moe_rewrite_route(ids.to(device), experts, True, kernels, padding)
+        got_offsets, got = route._moe_rewrite_route(ids.to(device), experts, True, kernels, padding)
         assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets.cpu(), want_offsets)
-        for name, a, b in zip(["order", "tokens", "positions"], got, want):
+        for name in ["order", "tokens", "positions"]:
+            a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
-        assert want[1].numel() == tokens * top_k + padding and not want[1][tokens * top_k :].any()
+        assert want.tokens.numel() == tokens * top_k + padding and not want.tokens[tokens * top_k :].any()
 
 
 @pytest.mark.parametrize("mode", ["fwd", "dgrad"])
@@ -190,7 +202,7 @@ def test_the_grouped_gemm_kernel_gives_each_experts_product(kernels, mode, count
     offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
     a = torch.randn(rows + pad, k, device=device, dtype=dtype)
     b = torch.randn(experts, *((n, k) if mode == "fwd" else (k, n)), device=device, dtype=dtype)  # a @ b[e]^T, a @ b[e]
-    got = triton_kernels._moe_rewrite_grouped_mm(kernels, a, b, offsets, mode)
+    got = triton_gemm._moe_rewrite_grouped_mm(kernels, a, b, offsets, mode)
     assert got.shape == (rows + pad, n) and got.dtype == dtype
     start = 0
     for e, count in enumerate(counts):
@@ -208,13 +220,13 @@ def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypa
     MOE_REWRITE_TRITON_GEMM=0. Both give the same rows."""
     device, kernels = kernels
     ran = []
-    grouped_mm = grouped_gemm._moe_rewrite_grouped_mm
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
+    grouped_mm = triton_gemm._moe_rewrite_grouped_mm
+    patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: kernels)
+    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
     hopper = [True]
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: hopper[0])
+    patch_runtime(monkeypatch, "_moe_rewrite_hopper", lambda device: hopper[0])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bn, bk = triton_kernels.MOE_REWRITE_GEMM_TILE[1:3]
+    bn, bk = triton_gemm.MOE_REWRITE_GEMM_TILE[1:3]
 
     def product(rows, n, k, mode, experts=4):
         counts = torch.full((experts,), rows // experts)
@@ -223,9 +235,9 @@ def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypa
         shape = {"fwd": (experts, n, k), "dgrad": (experts, k, n), "wgrad": (rows, n)}[mode]
         b = torch.randn(shape, device=device, dtype=dtype)
         ran.clear()
-        got = grouped_gemm._moe_rewrite_gmm("torch", a, b, offsets, mode)
+        got = grouped_linear._moe_rewrite_gmm("torch", a, b, offsets, mode)
         if ran and mode != "wgrad":
-            want = grouped_gemm._moe_rewrite_gmm("sorted", a, b, offsets, mode)
+            want = grouped_linear._moe_rewrite_gmm("sorted", a, b, offsets, mode)
             assert torch.allclose(got.double(), want.double(), atol=1e-3, rtol=1e-2), mode
         return bool(ran)
 
@@ -236,7 +248,7 @@ def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypa
     hopper[0] = False
     assert not product(8, bn, bk, "fwd")
     hopper[0] = True
-    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
+    monkeypatch.setitem(dispatch._moe_rewrite_settings_cache, "MOE_REWRITE_TRITON_GEMM", "0")
     assert not product(8, bn, bk, "fwd")
 
 
@@ -248,11 +260,11 @@ def test_the_expert_mlp_on_the_grouped_gemm_kernel_equals_torchs(monkeypatch, ke
     projection the adapters' rank-8 products stay torch's."""
     device, kernels = kernels
     ran, paddings = [], []
-    grouped_mm, padding = grouped_gemm._moe_rewrite_grouped_mm, grouped_gemm._moe_rewrite_padding
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_padding", lambda *a: paddings.append(a) or padding(*a))
+    grouped_mm, padding = triton_gemm._moe_rewrite_grouped_mm, route._moe_rewrite_padding
+    patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: kernels)
+    patch_runtime(monkeypatch, "_moe_rewrite_hopper", lambda device: True)
+    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
+    patch_runtime(monkeypatch, "_moe_rewrite_padding", lambda *a: paddings.append(a) or padding(*a))
     torch.manual_seed(1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hidden, inter, tokens = (32, 32, 20) if device == "cpu" else (512, 256, 300)
@@ -266,11 +278,12 @@ def test_the_expert_mlp_on_the_grouped_gemm_kernel_equals_torchs(monkeypatch, ke
     def step(moe, x, w, lora):
         leaves = [x.detach().requires_grad_(True), w.detach().requires_grad_(True), *moe.parameters()]
         leaves += [t.detach().requires_grad_(True) for t in lora]
-        source = grouped_gemm._MoeRewriteExpertWeight
+        source = grouped_linear._MoeRewriteExpertWeight
         adapters = {"down_proj": ((source(leaves[-2]), source(leaves[-1]), 0.5, torch.nn.Identity()),)} if lora else {}
-        gate_up_w, down_w, act_fn, _ = moe.moe_rewrite_expert_weights()
-        weights = (gate_up_w, down_w, act_fn, adapters)
-        y = grouped_gemm._moe_rewrite_grouped_experts(
+        mlp = moe.moe_rewrite_expert_weights()
+        gate_up_w, down_w, act_fn = mlp.gate_up, mlp.down, mlp.act_fn
+        weights = grouped_linear._MoeRewriteExpertMLP(gate_up_w, down_w, act_fn, adapters)
+        y = moe_train._moe_rewrite_grouped_experts(
             leaves[0], ids.to(x.device), leaves[1], weights, 6, "torch", x.dtype, None
         )
         grads = torch.autograd.grad((y.double() * probe.to(y.device)).sum(), leaves)
@@ -279,7 +292,7 @@ def test_the_expert_mlp_on_the_grouped_gemm_kernel_equals_torchs(monkeypatch, ke
     args = (x.to(device, dtype), w.to(device, torch.float32), [t.to(device, dtype) for t in lora])
     got = step(moe.to(device, dtype), *args)
     assert sorted(ran) == ["dgrad", "dgrad", "fwd", "fwd"] and not paddings  # (no padding asked for)
-    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
+    monkeypatch.setitem(dispatch._moe_rewrite_settings_cache, "MOE_REWRITE_TRITON_GEMM", "0")
     ran.clear()
     want = step(moe, *args)
     assert not ran
@@ -304,7 +317,7 @@ def test_the_first_gemm_keeps_only_the_positions_of_the_route_with_the_kernels(m
     x = torch.randn(7, 24, device=device, requires_grad=True)
     ids, w = routing(7, 6, 2)
     for triton in (kernels, None):
-        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype, triton=triton: triton)
+        patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype, triton=triton: triton)
         y = moe.moe_train(x, ids.to(device), w.to(device, torch.float32))
         node = y.grad_fn
         while type(node).__name__ != "_MoeRewriteGroupedLinearBackward":
@@ -319,7 +332,7 @@ def test_moe_train_with_the_triton_kernels_equals_the_reference(monkeypatch, ker
     """The core in float32 with the kernels on against the per-expert float64 reference."""
     device, kernels = kernels
     ran = []
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: ran.append(device) or kernels)
+    patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: ran.append(device) or kernels)
     moe = tiny_moe("fused", hidden=24, inter=20)
     moe.experts.act_fn = torch.nn.SiLU()
     x = torch.randn(tokens, 24, dtype=torch.float64)
@@ -355,7 +368,7 @@ def test_out_dtype_is_written_straight_from_the_float32_sums(monkeypatch, kernel
     bf16 from their float32 sums (one rounding, where the promoted result cast afterwards rounds once too), and every
     gradient equals that of the promoted result cast to bf16."""
     device, kernels = kernels
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels)
+    patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: kernels)
     # bf16 on a GPU runs torch._grouped_mm, whose rows need 16-byte strides: 32 and 24 columns
     moe = tiny_moe("fused", hidden=32, inter=24).to(device, torch.bfloat16)
     moe.experts.act_fn = torch.nn.SiLU()
@@ -386,7 +399,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
         return torch.device(device), dtype
 
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", None)
-    kernels = grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
+    kernels = dispatch._moe_rewrite_triton(*rows("cuda", torch.bfloat16))
     assert sorted(kernels) == [
         "gather_rows",
         "grouped_mm",
@@ -396,11 +409,11 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
         "swiglu",
         "swiglu_backward",
     ]
-    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
-    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
-    assert grouped_gemm._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None
+    assert dispatch._moe_rewrite_triton(*rows("cuda", torch.float32)) is kernels  # built once
+    assert dispatch._moe_rewrite_triton(*rows("cuda", torch.float64)) is None
+    assert dispatch._moe_rewrite_triton(*rows("cpu", torch.bfloat16)) is None
     runtime_env(monkeypatch, "MOE_REWRITE_TRITON", "0")
-    assert grouped_gemm._moe_rewrite_triton(*rows("cuda", torch.bfloat16)) is None
+    assert dispatch._moe_rewrite_triton(*rows("cuda", torch.bfloat16)) is None
 
 
 @pytest.mark.parametrize("weights_grad", [True, False], ids=["router-trained", "router-frozen"])
@@ -412,10 +425,11 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
     device, kernels = kernels
     moe = tiny_moe("fused", hidden=24, inter=20).to(device, torch.float32)
     moe.experts.act_fn = torch.nn.SiLU()
-    gate_up_w, down_w, act, _ = moe.moe_rewrite_expert_weights()
+    mlp = moe.moe_rewrite_expert_weights()
+    gate_up_w, down_w, act = mlp.gate_up, mlp.down, mlp.act_fn
     lora_a = torch.randn(6, 4, 20, device=device, requires_grad=True)  # (E, rank, inter)
     lora_b = torch.randn(6, 24, 4, device=device, requires_grad=True)  # (E, hidden, rank)
-    source = grouped_gemm._MoeRewriteExpertWeight
+    source = grouped_linear._MoeRewriteExpertWeight
     adapters = {"down_proj": ((source(lora_a), source(lora_b), 0.5, torch.nn.Identity()),)}
     x = torch.randn(11, 24, device=device)
     ids, w = routing(11, 6, 2)
@@ -426,15 +440,13 @@ def test_adapters_on_the_down_projection_get_the_swiglu_kernels_too(monkeypatch,
 
     def run(with_kernels):
         ran, saved = [], []
-        swiglu, combine = grouped_gemm._MoeRewriteSwiGLU.apply, grouped_gemm._MoeRewriteCombine.apply
-        monkeypatch.setattr(
-            grouped_gemm, "_moe_rewrite_triton", lambda device, dtype: kernels if with_kernels else None
-        )
-        monkeypatch.setattr(grouped_gemm._MoeRewriteSwiGLU, "apply", lambda *a: ran.append("swiglu") or swiglu(*a))
-        monkeypatch.setattr(grouped_gemm._MoeRewriteCombine, "apply", lambda *a: ran.append("combine") or combine(*a))
-        weights = (gate_up_w, down_w, act, adapters)
+        swiglu, combine = expert_output._MoeRewriteSwiGLU.apply, expert_output._MoeRewriteCombine.apply
+        patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: kernels if with_kernels else None)
+        monkeypatch.setattr(expert_output._MoeRewriteSwiGLU, "apply", lambda *a: ran.append("swiglu") or swiglu(*a))
+        monkeypatch.setattr(expert_output._MoeRewriteCombine, "apply", lambda *a: ran.append("combine") or combine(*a))
+        weights = grouped_linear._MoeRewriteExpertMLP(gate_up_w, down_w, act, adapters)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-            y = grouped_gemm._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, out_dtype)
+            y = moe_train._moe_rewrite_grouped_experts(x, ids, w, weights, 6, "sorted", torch.float32, out_dtype)
         grads = torch.autograd.grad((y.float() * probe).sum(), leaves)
         return ran, saved.count((22, 24)), [y, *grads]  # (22, 24): the 11 tokens' 2 expert outputs
 
@@ -460,7 +472,7 @@ def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
         (8 * 129, 8 * 129),
         (256 * 128, 256 * 129),  # V3 at 4096 tokens
     ]:
-        assert rows + grouped_gemm._moe_rewrite_padding(rows, rows // 128 if rows == 256 * 128 else 8) == padded
+        assert rows + route._moe_rewrite_padding(rows, rows // 128 if rows == 256 * 128 else 8) == padded
 
 
 @pytest.mark.parametrize(
@@ -487,13 +499,13 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
         calls.append(dtype)
         return None if len(calls) == 2 and not x_kernels else kernels
 
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_triton", triton)
+    patch_runtime(monkeypatch, "_moe_rewrite_triton", triton)
     # torch._grouped_mm (bf16 on a GPU, 16-byte aligned rows; float32 on the CPU, where torch has one too), whose
     # outputs past the last group are left unwritten: NaN here, so that a padding row read anywhere shows
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_hopper", lambda device: True)
+    patch_runtime(monkeypatch, "_moe_rewrite_hopper", lambda device: True)
     # torch's GEMMs, whose tile the padding is for (the Triton grouped GEMM's would take these products)
-    monkeypatch.setitem(grouped_gemm._moe_rewrite_settings, "MOE_REWRITE_TRITON_GEMM", "0")
-    gmm = grouped_gemm._moe_rewrite_gmm
+    monkeypatch.setitem(dispatch._moe_rewrite_settings_cache, "MOE_REWRITE_TRITON_GEMM", "0")
+    gmm = grouped_linear._moe_rewrite_gmm
 
     def unwritten_padding(kernel, a, b, offsets, mode):
         out = gmm(kernel, a, b, offsets, mode)
@@ -503,11 +515,11 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
             out[offsets[-1] :] = float("nan")
         return out
 
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_gmm", unwritten_padding)
+    patch_runtime(monkeypatch, "_moe_rewrite_gmm", unwritten_padding)
     # the kernels read a routing weight for every row they are given (padding rows included): no read past the end
     swiglu_backward, sum_rows_backward = (
-        grouped_gemm._moe_rewrite_swiglu_backward,
-        grouped_gemm._moe_rewrite_sum_rows_backward,
+        triton_swiglu._moe_rewrite_swiglu_backward,
+        triton_sum_rows._moe_rewrite_sum_rows_backward,
     )
 
     def checked_swiglu_backward(kernels, gate_up, grad_h, row_weight, weighted):
@@ -518,14 +530,15 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
         assert row_weight.shape == tokens.shape and (rows is None or rows.shape[:1] == tokens.shape)
         return sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype)
 
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_swiglu_backward", checked_swiglu_backward)
-    monkeypatch.setattr(grouped_gemm, "_moe_rewrite_sum_rows_backward", checked_sum_rows_backward)
+    patch_runtime(monkeypatch, "_moe_rewrite_swiglu_backward", checked_swiglu_backward)
+    patch_runtime(monkeypatch, "_moe_rewrite_sum_rows_backward", checked_sum_rows_backward)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     moe = tiny_moe("fused", experts=4, hidden=32, inter=24).to(device, dtype)
     moe.experts.act_fn = torch.nn.SiLU() if act == "silu" else torch.nn.GELU()
-    gate_up_w, down_w, act_fn, _ = moe.moe_rewrite_expert_weights()
-    source, lora = grouped_gemm._MoeRewriteExpertWeight, []
+    mlp = moe.moe_rewrite_expert_weights()
+    gate_up_w, down_w, act_fn = mlp.gate_up, mlp.down, mlp.act_fn
+    source, lora = grouped_linear._MoeRewriteExpertWeight, []
     shapes = {"gate_up_proj": (32, 48), "down_proj": (24, 32)}  # (in, out)
     adapters = {}
     for name in adapted:
@@ -539,7 +552,7 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     probe = torch.randn(tokens, 32, device=device)
     ids, w = ids.to(device), w.to(device, torch.float32)
     padded, wgrad_rows = [], []
-    padding = grouped_gemm._moe_rewrite_padding
+    padding = route._moe_rewrite_padding
 
     def step(pad):
         def padding_of(rows, experts):
@@ -547,12 +560,12 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
             padded.append(rows + out)
             return out
 
-        monkeypatch.setattr(grouped_gemm, "_moe_rewrite_padding", padding_of)
+        patch_runtime(monkeypatch, "_moe_rewrite_padding", padding_of)
         calls.clear()
         wgrad_rows.clear()
         leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True), *moe.parameters(), *lora]
-        weights = (gate_up_w, down_w, act_fn, adapters)
-        y = grouped_gemm._moe_rewrite_grouped_experts(leaves[0], ids, leaves[1], weights, 4, "torch", dtype, None)
+        weights = grouped_linear._MoeRewriteExpertMLP(gate_up_w, down_w, act_fn, adapters)
+        y = moe_train._moe_rewrite_grouped_experts(leaves[0], ids, leaves[1], weights, 4, "torch", dtype, None)
         return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), leaves)]
 
     got = step(True)

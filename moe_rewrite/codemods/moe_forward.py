@@ -28,7 +28,7 @@ V2 form (a Python loop over the experts)::
         y = y.to(hidden_states.dtype).view(*orig_shape)
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
-Both forms get the `moe_train` method and its module-level helpers (runtime/grouped_gemm.py, put in by the block
+Both forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
 codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/parameter_lora.py),
 which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
 
@@ -46,6 +46,7 @@ from moe_rewrite.codemods import Context, Field, MoeClassInfo
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
+from moe_rewrite.render import CORE_SECTIONS
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("moe",)
@@ -564,7 +565,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         body=moe.body.with_changes(body=[forward if s is old_forward else s for s in moe.body.body])
     )
     context.moe = MoeClassInfo(name=moe.name.value, gate_class=gate_class_name(moe), form=form)
-    context.sections |= {"grouped_gemm", "triton_kernels"}
+    context.sections |= CORE_SECTIONS
     if context.options.aux_loss:
         context.sections.add("aux_loss")
     if context.options.bias_update is not None:

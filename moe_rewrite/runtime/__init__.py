@@ -2,15 +2,23 @@
 with what each does, and renders them). Tests import these modules directly; a rewritten file holds a copy of the
 sections it needs and imports nothing from moe-rewrite.
 
-    grouped_gemm       the core: kernel choice, grouped GEMMs, autograd Functions over (E, out, in) weights (the
-                       gathered first GEMM, the down GEMM with the weighted combine, the adapters' GEMMs), the
-                       per-expert loop fallback; MoE.moe_train
-    triton_kernels     Triton kernels for the core's memory-bound steps (the route, the gathers, SwiGLU and its
-                       backward, weighted un-sort) and a grouped GEMM for few rows per expert on sm90
+    the core, in reading order (render.CORE_SECTIONS):
+    dispatch           kernel choice: the grouped-GEMM kernel ("torch", "grouped_gemm", "sorted", ...) and the Triton
+                       kernels per device and dtype, the settings and caches, all decided once per process
+    route              the route (rows sorted by expert) and the steps along it: gather, un-sort, weighted combine
+    grouped_linear     the grouped GEMM as an autograd Function over weight sources ((E, out, in) weights), the
+                       gathered first GEMM
+    expert_output      act_fn(gate) * up, the down GEMM and the weighted combine as one node; SwiGLU and the combine
+                       as nodes of their own for adapters on the down projection
+    backends           SonicMoE's fused kernels and the per-expert loop fallback
+    moe_train          MoE.moe_train and the path through the above, LoRA adapters' GEMMs included
+    triton_*           Triton kernels with their launchers, one family per file (route, gather, swiglu, sum_rows,
+                       gemm; triton_block: their column block) for the memory-bound steps and a grouped GEMM for few
+                       rows per expert on sm90
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
-                       MoE.moe_rewrite_expert_weights() -> (gate_up, down, act_fn)
+                       MoE.moe_rewrite_expert_weights() -> _MoeRewriteExpertMLP
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
     fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default)
     per_expert         --no-fuse-experts: the seam over per-expert nn.Linear layers
-    aux_loss, bias_update, checkpointing, init_weights, compat_*: the options and transformers compatibility
+    aux_loss, bias_update, checkpoint_layer, init_guards, compat_*: the options and transformers compatibility
 """

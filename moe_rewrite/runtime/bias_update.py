@@ -4,7 +4,7 @@
 
 import torch
 
-from .grouped_gemm import _moe_rewrite_options
+from .dispatch import _moe_rewrite_options
 
 
 class MoE:

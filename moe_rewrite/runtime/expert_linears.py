@@ -4,7 +4,7 @@ the LoRA adapters that PEFT puts on expert projections in either layout. Always 
 
 import torch
 
-from .grouped_gemm import _moe_rewrite_setting
+from .dispatch import _moe_rewrite_setting
 
 MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -127,29 +127,29 @@ def _moe_rewrite_accumulate(weights, grads):
 
 def _moe_rewrite_lora(projections):
     """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
-    (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
-    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (adapters other than
-    LoRA, some experts adapted and others not, several active adapters, DoRA and other variants, LoRA biases, different
-    scalings or dropouts, layers in different states): the per-expert loop runs them then. Disabled or merged adapters
-    are None (PEFT's forward runs the base layer alone, which holds W + BA once merged), except both at once (PEFT's
-    forward unmerges then): False.
+    a tuple of (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights; () when no
+    adapter adds anything (no expert's projection is adapted, or the adapters are disabled or merged: PEFT's forward
+    runs the base layer alone, which holds W + BA once merged). None when the grouped GEMMs cannot reproduce the
+    modules' own forward, and the per-expert loop runs them: adapters other than LoRA, some experts adapted and others
+    not, several active adapters, DoRA and other variants, LoRA biases, different scalings or dropouts, layers in
+    different states, adapters disabled and merged at once (PEFT's forward unmerges them then).
     """
     # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
     # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
     wrapped = ["base_layer" in p._modules for p in projections]
     if not any(wrapped):
-        return None
+        return ()
     if not all(wrapped) or not all("lora_A" in p._modules for p in projections):  # other tuners: their own forward
-        return False
+        return None
     first = projections[0]
     state = (first.disable_adapters, first.merged)
     if any((p.disable_adapters, p.merged) != state for p in projections) or all(state):
-        return False
-    if any(state):
         return None
+    if any(state):
+        return ()
     adapters = list(first.active_adapters)
     if len(adapters) != 1 or adapters[0] not in first._modules["lora_A"]._modules:
-        return False
+        return None
     name = adapters[0]
     scaling, dropout = first.scaling[name], first._modules["lora_dropout"]._modules[name]
     rate = dropout.__dict__.get("p")  # nn.Dropout's rate; nn.Identity (no dropout) has none
@@ -160,14 +160,14 @@ def _moe_rewrite_lora(projections):
         b = modules["lora_B"]._modules.get(name)
         drop = modules["lora_dropout"]._modules.get(name)
         if a is None or list(p.active_adapters) != adapters:
-            return False
+            return None
         if name in p.__dict__.get("lora_variant", ()) or p.use_dora.get(name) or b._parameters.get("bias") is not None:
-            return False
+            return None
         if p.scaling[name] != scaling or type(drop) is not type(dropout) or drop.__dict__.get("p") != rate:
-            return False
+            return None
         a_weights.append(a._parameters["weight"])
         b_weights.append(b._parameters["weight"])
-    return _MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout
+    return ((_MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout),)
 
 
 def _moe_rewrite_projections(experts):
@@ -176,13 +176,13 @@ def _moe_rewrite_projections(experts):
 
 
 def _moe_rewrite_adapters(projections):
-    """{projection name: (_moe_rewrite_lora(...),)} for the adapted ones of `projections` (_moe_rewrite_projections;
-    {} when none is), or False when the loop must run them."""
+    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    {} when none is), or None when the loop must run them."""
     adapters = {}
     for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
-        lora = _moe_rewrite_lora(column)
-        if lora is False:
-            return False
-        if lora is not None:
-            adapters[name] = (lora,)
+        loras = _moe_rewrite_lora(column)
+        if loras is None:
+            return None
+        if loras:
+            adapters[name] = loras
     return adapters

@@ -5,6 +5,7 @@ are converted by fused_checkpoint.py.
 
 import torch
 
+from .backends import _moe_rewrite_loop
 from .expert_linears import (
     MOE_REWRITE_PROJECTIONS,
     _moe_rewrite_adapters,
@@ -12,7 +13,7 @@ from .expert_linears import (
     _moe_rewrite_projections,
 )
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
-from .grouped_gemm import _moe_rewrite_loop, _MoeRewriteExpertWeight
+from .grouped_linear import _MoeRewriteExpertMLP, _MoeRewriteExpertWeight
 from .parameter_lora import _moe_rewrite_load_expert_lora, _moe_rewrite_parameter_adapters, _moe_rewrite_unwrap
 
 
@@ -39,13 +40,8 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
         for i in range(len(gate_w)):
             self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
-        # The views and their projections as made, for _moe_rewrite_own_projections (attributes, not submodules)
-        keys = tuple(str(i) for i in range(len(gate_w)))
-        views = [self._modules[key] for key in keys]
-        own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in views]
-        flat = [p for column in own for p in column]
-        made = (keys, views, [view._modules for view in views], own, flat, [p._modules for p in flat])
-        object.__setattr__(self, "_moe_rewrite_made", made)
+        # The views and their projections as made, for _moe_rewrite_own_projections (a plain attribute, not a module)
+        self._moe_rewrite_made = _MoeRewriteMadeViews(self, len(gate_w))
         self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
 
     def __len__(self):
@@ -72,8 +68,8 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
 
     def moe_rewrite_weights(self, wrappers=()):
-        """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+        """The _MoeRewriteExpertMLP the grouped-GEMM core reads: the two parameters as weight sources, and the LoRA
+        adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
         parameters (parameter_lora.py); None when the loop must run them."""
         if self._moe_rewrite_own_projections():
             adapters = {}
@@ -86,18 +82,14 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
                 for column in projections
                 for p in column
             )
-            adapters = _moe_rewrite_adapters(projections) if intact else False
-        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
-        if fused_adapters is False:
+            adapters = _moe_rewrite_adapters(projections) if intact else None
+        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not None else None
+        if fused_adapters is None:
             return None
         for name, loras in fused_adapters.items():
             adapters[name] = adapters.get(name, ()) + loras
-        return (
-            _MoeRewriteExpertWeight(self.gate_up_proj),
-            _MoeRewriteExpertWeight(self.down_proj),
-            self.act_fn,
-            adapters,
-        )
+        gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
+        return _MoeRewriteExpertMLP(gate_up, down, self.act_fn, adapters)
 
     def _moe_rewrite_own_projections(self):
         """Whether every expert view is in place and holds the projections it was made with, of their own type and
@@ -110,15 +102,30 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         made = self.__dict__.get("_moe_rewrite_made")
         if made is None:
             return False
-        keys, views, view_modules, own, flat, flat_modules = made
-        if list(map(self._modules.get, keys)) != views:
+        if list(map(self._modules.get, made.keys)) != made.views:
             return False
         try:
-            held = list(map(operator.itemgetter(*MOE_REWRITE_PROJECTIONS), view_modules))
+            held = list(map(operator.itemgetter(*MOE_REWRITE_PROJECTIONS), made.view_modules))
         except KeyError:  # a projection deleted
             return False
-        types = [_MoeRewriteExpertProjection] * len(flat)
-        return held == own and list(map(type, flat)) == types and not any(map(len, flat_modules))
+        types = [_MoeRewriteExpertProjection] * len(made.flat)
+        return held == made.own and list(map(type, made.flat)) == types and not any(map(len, made.flat_modules))
+
+
+class _MoeRewriteMadeViews:
+    """Fused experts' views and their projections as made (_moe_rewrite_own_projections compares them with what the
+    module holds now): the views' `keys` and the `views`, their `view_modules` dicts, `own` (each view's gate, up and
+    down projections), `flat` (those projections in one list) and their `flat_modules` dicts."""
+
+    __slots__ = ("keys", "views", "view_modules", "own", "flat", "flat_modules")
+
+    def __init__(self, experts, count):
+        self.keys = tuple(str(i) for i in range(count))
+        self.views = [experts._modules[key] for key in self.keys]
+        self.view_modules = [view._modules for view in self.views]
+        self.own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in self.views]
+        self.flat = [p for column in self.own for p in column]
+        self.flat_modules = [p._modules for p in self.flat]
 
 
 class _MoeRewriteFusedExpert(torch.nn.Module):
@@ -168,7 +175,7 @@ def _moe_rewrite_warn_unfused():
 
 class MoE:
     def moe_rewrite_expert_weights(self):
-        """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
+        """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
         loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
         experts, wrappers = _moe_rewrite_unwrap(self.experts)
         if isinstance(experts, _MoeRewriteFusedExperts):

@@ -8,7 +8,7 @@ GEMMs of its rank, as it reads the per-expert ones (expert_linears.py). Always g
 import torch
 
 from .expert_linears import MOE_REWRITE_PROJECTIONS
-from .grouped_gemm import _MoeRewriteExpertWeight
+from .grouped_linear import _MoeRewriteExpertWeight
 
 
 def _moe_rewrite_unwrap(experts):
@@ -24,42 +24,44 @@ def _moe_rewrite_unwrap(experts):
 
 
 def _moe_rewrite_parameter_lora(wrapper):
-    """One ParamWrapper's LoRA adapter as the core reads it, (A, B, scaling, dropout): weight sources over
+    """One ParamWrapper's LoRA adapters as the core reads them (as expert_linears.py's _moe_rewrite_lora): a tuple of
+    (A, B, scaling, dropout), A and B weight sources over
     (E, r, in) and (E, out, r) views of PEFT's lora_A (r * E, in) and lora_B (out, r * E) weights, taken from PEFT's
     own get_delta_factors (whose product, times scaling, is the delta PEFT adds to the parameter in its forward), so
-    the core adds exactly that delta's contribution without forming it. None when the wrapper adds nothing (adapters
-    disabled, or merged into the parameter); False when the grouped GEMMs cannot reproduce its forward (several active
+    the core adds exactly that delta's contribution without forming it. () when the wrapper adds nothing (adapters
+    disabled, or merged into the parameter); None when the grouped GEMMs cannot reproduce its forward (several active
     adapters, disabled adapters that are merged: PEFT unmerges them in its forward; a PEFT without get_delta_factors).
     """
     merged, disabled = wrapper.merged, wrapper.disable_adapters
     if disabled or merged:
-        return False if disabled and merged else None
+        return None if disabled and merged else ()
     lora_a = wrapper._modules["lora_A"]._modules
     names = [name for name in wrapper.active_adapters if name in lora_a]
     if not names:
-        return None
+        return ()
     dropout = wrapper._modules["lora_dropout"]._modules.get(names[0])
     if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
-        return False
+        return None
     lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
     # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
     # expert as its fastest dim, so it is copied (out * r * E elements, with autograd).
-    return _MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout
+    return ((_MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout),)
 
 
 def _moe_rewrite_parameter_adapters(wrappers):
-    """{parameter name: (lora,)} for the adapters of `wrappers` (_moe_rewrite_unwrap's; {} when none adds anything),
-    or False when the loop must run them through PEFT's forward (a parameter wrapped twice included)."""
+    """{parameter name: _moe_rewrite_parameter_lora(...)} for the adapters of `wrappers` (_moe_rewrite_unwrap's; {}
+    when none adds anything), or None when the loop must run them through PEFT's forward (a parameter wrapped twice
+    included)."""
     adapters = {}
     names = [wrapper.__dict__["parameter_name"] for wrapper in wrappers]
     if len(set(names)) != len(names) or not set(names) <= {"gate_up_proj", "down_proj"}:
-        return False
+        return None
     for name, wrapper in zip(names, wrappers):
-        lora = _moe_rewrite_parameter_lora(wrapper)
-        if lora is False:
-            return False
-        if lora is not None:
-            adapters[name] = (lora,)
+        loras = _moe_rewrite_parameter_lora(wrapper)
+        if loras is None:
+            return None
+        if loras:
+            adapters[name] = loras
     return adapters
 
 

@@ -13,12 +13,13 @@ from .expert_linears import (
     _MoeRewriteExpertLinears,
 )
 from .fused_experts import _MoeRewriteFusedExperts
+from .grouped_linear import _MoeRewriteExpertMLP
 from .parameter_lora import _moe_rewrite_unwrap
 
 
 class MoE:
     def moe_rewrite_expert_weights(self):
-        """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
+        """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
         loop runs (projections that are not nn.Linear layers, as PEFT's LoRA layers over them: quantized layers,
         ZeRO-3 partitions; LoRA adapters the grouped GEMMs cannot reproduce, see _moe_rewrite_lora)."""
         experts, wrappers = _moe_rewrite_unwrap(self.experts)
@@ -27,12 +28,12 @@ class MoE:
         if not isinstance(experts, torch.nn.ModuleList) or wrappers:
             return None
         weights = _moe_rewrite_linear_weights(experts, adapted=True)
-        adapters = _moe_rewrite_adapters(_moe_rewrite_projections(experts)) if weights is not None else False
-        if adapters is False:
+        adapters = _moe_rewrite_adapters(_moe_rewrite_projections(experts)) if weights is not None else None
+        if adapters is None:
             return None
         gate_w, up_w, down_w = weights
-        base = _MoeRewriteExpertLinears(gate_w + up_w, 2), _MoeRewriteExpertLinears(down_w, 1)
-        return (*base, experts[0].act_fn, adapters)
+        gate_up, down = _MoeRewriteExpertLinears(gate_w + up_w, 2), _MoeRewriteExpertLinears(down_w, 1)
+        return _MoeRewriteExpertMLP(gate_up, down, experts[0].act_fn, adapters)
 
 
 class Model:

@@ -3,18 +3,20 @@
 # ---- moe-rewrite 0.3.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
 # Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
 _moe_rewrite_options = {"version": "0.3.0", "backend": "auto", "stacking": "stack"}
-_moe_rewrite_kernels = {}  # (device, dtype) -> kernel name, "triton" -> the Triton kernels, ("sm90", device) -> bool
-_moe_rewrite_settings = {}  # environment variable -> value, read once per process
+_moe_rewrite_settings_cache = {}  # environment variable -> value
+_moe_rewrite_kernel_cache = {}  # (device, dtype) -> the grouped-GEMM kernel's name
+_moe_rewrite_triton_cache = {}  # "kernels" -> the Triton kernels ({name: jitted function}) or None
+_moe_rewrite_hopper_cache = {}  # device -> whether it is an sm90 GPU
 
 
 def _moe_rewrite_setting(name, default):
     """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_TRITON_GEMM, ...), read on
     first use and kept for the process, so that no training step reads the environment."""
-    if name not in _moe_rewrite_settings:
+    if name not in _moe_rewrite_settings_cache:
         import os
 
-        _moe_rewrite_settings[name] = os.environ.get(name) or default
-    return _moe_rewrite_settings[name]
+        _moe_rewrite_settings_cache[name] = os.environ.get(name) or default
+    return _moe_rewrite_settings_cache[name]
 
 
 def _moe_rewrite_compute_dtype(x):
@@ -30,9 +32,9 @@ def _moe_rewrite_kernel(device, dtype):
     MLP where SonicMoE runs it, else "torch"), "grouped_gemm", "sorted" or "loop". Decided on first use per
     (device, dtype) and kept for the process."""
     key = (device, dtype)
-    if key not in _moe_rewrite_kernels:
-        _moe_rewrite_kernels[key] = _moe_rewrite_choose_kernel(device, dtype)
-    return _moe_rewrite_kernels[key]
+    if key not in _moe_rewrite_kernel_cache:
+        _moe_rewrite_kernel_cache[key] = _moe_rewrite_choose_kernel(device, dtype)
+    return _moe_rewrite_kernel_cache[key]
 
 
 def _moe_rewrite_choose_kernel(device, dtype):
@@ -55,7 +57,7 @@ def _moe_rewrite_choose_kernel(device, dtype):
             )
         return "sonicmoe"
     # torch's grouped matmul (torch._grouped_mm, torch's only grouped GEMM, private but the one transformers uses too)
-    # has fast kernels for bf16 on sm90+ only; anywhere else the sorted per-expert pass is faster.
+    # has fast kernels for bf16 on sm90+ only; anywhere else the sorted kernel is faster.
     torch_fast = cuda_bf16 and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
     if backend == "torch":
         return "torch" if torch_fast else "sorted"
@@ -66,19 +68,6 @@ def _moe_rewrite_choose_kernel(device, dtype):
             return "grouped_gemm"
         return "sorted"
     raise ValueError(f"moe-rewrite: unknown backend {backend!r}; use auto, torch, sonicmoe, grouped_gemm or loop")
-
-
-def _moe_rewrite_triton(device, dtype):
-    """The Triton kernels of the memory-bound steps (triton_kernels.py) for rows on `device` in `dtype`, or None, and
-    the same arithmetic runs as torch ops: off CUDA, in float64 (the kernels compute in float32), without triton, with
-    MOE_REWRITE_TRITON=0, or under torch.compile (which fuses those steps itself). Built on first use and kept for the
-    process."""
-    if device.type != "cuda" or dtype == torch.float64 or torch.compiler.is_compiling():
-        return None
-    if "triton" not in _moe_rewrite_kernels:
-        wanted = _moe_rewrite_setting("MOE_REWRITE_TRITON", "1") != "0"
-        _moe_rewrite_kernels["triton"] = _moe_rewrite_build_triton() if wanted else None
-    return _moe_rewrite_kernels["triton"]
 
 
 def _moe_rewrite_grouped_gemm():
@@ -100,52 +89,154 @@ def _moe_rewrite_sonicmoe():
     return sonicmoe
 
 
-def _moe_rewrite_is_silu(act_fn):
-    """Whether the experts' activation is SiLU (ACT2FN["silu"]: torch's nn.SiLU, or transformers' SiLUActivation)."""
-    kind = type(act_fn)
-    transformers_silu = kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
-    return kind is torch.nn.SiLU or transformers_silu
+def _moe_rewrite_hopper(device):
+    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice
+    (_moe_rewrite_padding). Asked once per device and kept for the process (it is asked every step)."""
+    if device not in _moe_rewrite_hopper_cache:
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        _moe_rewrite_hopper_cache[device] = hopper
+    return _moe_rewrite_hopper_cache[device]
 
 
-def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
-    """The routed experts' weighted outputs through SonicMoE (kernel "sonicmoe"), or None when it cannot run them as
-    the grouped GEMMs would: adapters, an activation other than SiLU, experts that are not fused parameters, sizes
-    whose rows are not 16-byte aligned, or under torch.compile.
-
-    SonicMoE gathers the rows inside its up-projection GEMM, applies SwiGLU in that GEMM's epilogue and scatters the
-    weighted rows out of the down projection, with its own backward (gradients for x, both weights and the routing
-    weights). It reads the fused parameters as they are: (E, 2I, H) as (2I, H, E), its layout, with concat_layout for
-    the [gate; up] rows. Its first call per token count autotunes and compiles its kernels (minutes on an H200).
-    """
-    gate_up_w, down_w, act_fn, adapters = weights
-    experts, double, hidden = gate_up_w.shape
-    if (
-        any(adapters.values())
-        or not _moe_rewrite_is_silu(act_fn)
-        or type(gate_up_w) is not _MoeRewriteExpertWeight
-        or type(down_w) is not _MoeRewriteExpertWeight
-        or hidden % 8
-        or double % 16
-        or torch.compiler.is_compiling()
-    ):
+def _moe_rewrite_triton(device, dtype):
+    """The Triton kernels of the memory-bound steps (the triton_*.py sections) for rows on `device` in `dtype`, or
+    None, and the same arithmetic runs as torch ops: off CUDA, in float64 (the kernels compute in float32), without
+    triton, with MOE_REWRITE_TRITON=0, or under torch.compile (which fuses those steps itself). Built on first use and
+    kept for the process."""
+    if device.type != "cuda" or dtype == torch.float64 or torch.compiler.is_compiling():
         return None
-    sonicmoe = _moe_rewrite_sonicmoe()
-    tokens, top_k = topk_ids.shape
-    out, _ = sonicmoe.moe_general_routing_inputs(
-        x.to(dtype).contiguous(),
-        topk_weight.reshape(-1).float(),
-        torch.arange(tokens, device=x.device, dtype=torch.int32).repeat_interleave(top_k),  # sorted token ids
-        topk_ids.reshape(-1).to(torch.int32),
-        gate_up_w.stacked(dtype).permute(1, 2, 0),
-        None,
-        down_w.stacked(dtype).permute(1, 2, 0),
-        None,
-        experts,
-        torch.cuda.current_stream(x.device).cuda_stream,
-        sonicmoe.enums.ActivationType.SWIGLU,
-        concat_layout=True,
-    )
-    return out.to(torch.promote_types(dtype, topk_weight.dtype))  # the dtype the grouped GEMMs return
+    if "kernels" not in _moe_rewrite_triton_cache:
+        wanted = _moe_rewrite_setting("MOE_REWRITE_TRITON", "1") != "0"
+        _moe_rewrite_triton_cache["kernels"] = _moe_rewrite_build_triton() if wanted else None
+    return _moe_rewrite_triton_cache["kernels"]
+
+
+def _moe_rewrite_build_triton():
+    """Every Triton kernel, {name: jitted function}, or None where triton is not installed. Called once per process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return {
+        **_moe_rewrite_route_kernels(),
+        **_moe_rewrite_gather_kernels(),
+        **_moe_rewrite_swiglu_kernels(),
+        **_moe_rewrite_sum_rows_kernels(),
+        **_moe_rewrite_gemm_kernels(),
+    }
+
+
+def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
+    """Whether the Triton grouped GEMM (triton_gemm.py) runs a forward or input-gradient product of `rows` rows
+    over `experts` experts, n wide and k deep, instead of torch._grouped_mm, where the kernel is "torch" (bf16) and
+    the Triton kernels run: on sm90 at no more than 160 rows per expert on average, where torch's CUTLASS tiles read
+    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.07-1.36x at V3's widths and 64-160 rows per
+    expert, 0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the
+    adapters' rank-r ones).
+    MOE_REWRITE_TRITON_GEMM=0 keeps torch's."""
+    if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
+        return False
+    return _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0"
+
+
+MOE_REWRITE_LARGE_TILE_ROWS = 129
+
+
+class _MoeRewriteRoute:
+    """The route of _moe_rewrite_route: `order` sorts the (token, slot) rows by expert, the i-th sorted row is token
+    `tokens[i]` (padding rows after the sorted ones: token 0), and row j is at `positions[j]` in expert order (the
+    inverse of `order`, which the Triton kernels read; None where nothing reads it). Autograd nodes save the tensors
+    with ctx.save_for_backward and rebuild the route in backward."""
+
+    __slots__ = ("order", "tokens", "positions")
+
+    def __init__(self, order, tokens, positions):
+        self.order, self.tokens, self.positions = order, tokens, positions
+
+
+def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None, padding=0):
+    """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
+    cumulative row counts per expert (int32) and route a _MoeRewriteRoute: `order` sorts the rows by expert (stable:
+    each expert's rows stay in token order, whatever the sort's tie-breaking), positions are computed
+    `with_positions`. `padding` more tokens (token 0, rows in no expert's group: _moe_rewrite_padding) follow the
+    sorted rows' ones. With `kernels` (the Triton kernels) the same tensors, positions and padding included, come from
+    one launch instead of about ten: the host's time before the first GEMM (bench/NOTES.md, changes 24 and 26)."""
+    if kernels is not None:
+        offsets, order, tokens, positions = _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding)
+        return offsets, _MoeRewriteRoute(order, tokens, positions)
+    flat_ids = topk_ids.reshape(-1)
+    # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
+    key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+    sorted_ids, order = flat_ids.to(key).sort(stable=True)
+    experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    positions = _moe_rewrite_positions(order) if with_positions else None
+    tokens = order // topk_ids.shape[1]
+    if padding:
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+    return offsets, _MoeRewriteRoute(order, tokens, positions)
+
+
+def _moe_rewrite_padding(rows, num_experts):
+    """How many padding rows (token 0, in no expert's group) after the last sorted one make torch._grouped_mm take
+    its large tile for `rows` routed rows: MOE_REWRITE_LARGE_TILE_ROWS per expert (SonicMoE's tuned choice at V3's
+    sizes, whose routing at 4096 tokens has exactly 128 rows per expert on average). Rows past the last offset are
+    never read or written by the GEMMs, and the un-sort and token sums read rows by position, so the padding changes
+    no number (LoRA dropout draws its masks over the padding rows too: other draws, the same distribution). Only where
+    it adds at most an eighth of the rows, else 0 (bench/NOTES.md, change 22)."""
+    pad = MOE_REWRITE_LARGE_TILE_ROWS * num_experts - rows
+    return pad if 0 < pad <= rows // 8 else 0
+
+
+def _moe_rewrite_positions(order):
+    """Where each (token, slot) row is in expert order: the inverse of the permutation `order`."""
+    return torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None, count=None):
+    """x[route.tokens] in `dtype`: the rows in expert order, padding rows included (or the first `count` of them),
+    through the Triton kernels where they run (each token's row read once, written to its top_k places), else torch's
+    index_select. With topk_weight: (rows, each row's routing weight), the weights in the same pass."""
+    if kernels is not None and route.positions is not None:
+        count = route.tokens.numel() if count is None else count
+        return _moe_rewrite_gather_rows(kernels, x, route.positions, count, dtype, topk_weight)
+    tokens = route.tokens if count is None else route.tokens[:count]
+    rows = x.index_select(0, tokens).to(dtype)
+    return rows if topk_weight is None else (rows, _moe_rewrite_row_weights(topk_weight, route.order, tokens))
+
+
+def _moe_rewrite_row_weights(topk_weight, order, tokens):
+    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_padding:
+    a weight for the kernels to read, whose products reach no expert and no token)."""
+    row_weight = topk_weight.reshape(-1)[order]
+    if tokens.numel() > order.numel():
+        row_weight = torch.cat([row_weight, row_weight.new_zeros(tokens.numel() - order.numel())])
+    return row_weight
+
+
+def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
+    """Each token's top_k row gradients (rows in expert order) summed in `dtype` (accumulated in float32 for bf16 and
+    fp16): un-sorted by a permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton
+    kernels, or None)."""
+    if kernels is not None:
+        return _moe_rewrite_sum_rows(kernels, grad_rows, route.positions, top_k, dtype=dtype)
+    return _moe_rewrite_unsort(grad_rows, route.order, dtype).view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
+
+
+def _moe_rewrite_unsort(rows, order, dtype=None):
+    """Rows in expert order back to (token, slot) order, in `dtype` (rows' by default): a permutation, so no atomics
+    and a deterministic result; padding rows past the real ones (_moe_rewrite_padding) are dropped."""
+    rows = rows[: order.numel()]
+    return torch.empty_like(rows, dtype=dtype).index_copy_(0, order, rows.to(dtype or rows.dtype))
+
+
+def _moe_rewrite_combine(y, topk_weight):
+    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
+
+    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
+    """
+    dtype = torch.promote_types(y.dtype, topk_weight.dtype)
+    return (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
 
 
 def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
@@ -186,19 +277,6 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
     return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b[:total].split(counts.tolist()))])
 
 
-def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
-    """Whether the Triton grouped GEMM (triton_kernels.py) runs a forward or input-gradient product of `rows` rows
-    over `experts` experts, n wide and k deep, instead of torch._grouped_mm, where the kernel is "torch" (bf16) and
-    the Triton kernels run: on sm90 at no more than 160 rows per expert on average, where torch's CUTLASS tiles read
-    an expert's weights once per row tile (bench/NOTES.md, change 26: 1.07-1.36x at V3's widths and 64-160 rows per
-    expert, 0.87-1.01x at 256 and 768), for products at least one tile wide and a depth of whole tiles (not the
-    adapters' rank-r ones).
-    MOE_REWRITE_TRITON_GEMM=0 keeps torch's."""
-    if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
-        return False
-    return _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0"
-
-
 class _MoeRewriteExpertWeight:
     """The weight source of one (E, out, in) tensor (a fused experts parameter): autograd connects the tensor itself,
     the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
@@ -214,6 +292,19 @@ class _MoeRewriteExpertWeight:
         return (compute().to(self.weight.dtype),)
 
 
+class _MoeRewriteExpertMLP:
+    """What the core reads of the routed experts (moe_rewrite_expert_weights()): `gate_up` and `down`, two weight
+    sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation `act_fn`, and
+    `adapters`, the LoRA adapters: {name: (lora, ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py)
+    or on the gate_proj, up_proj and down_proj of every expert (expert_linears.py), each lora
+    (A, B, scaling, dropout) with A and B weight sources."""
+
+    __slots__ = ("gate_up", "down", "act_fn", "adapters")
+
+    def __init__(self, gate_up, down, act_fn, adapters):
+        self.gate_up, self.down, self.act_fn, self.adapters = gate_up, down, act_fn, adapters
+
+
 def _moe_rewrite_kept(stacked, keep_stacked, tensors):
     """What an autograd node keeps of a stacked weight for backward: the weight when asked to (keep_stacked) or when it
     is one of the source's own tensors, which costs nothing to keep (autograd saves nn.Linear's weight the same way);
@@ -221,32 +312,51 @@ def _moe_rewrite_kept(stacked, keep_stacked, tensors):
     return stacked if keep_stacked or any(stacked is t for t in tensors) else None
 
 
+class _MoeRewriteGatherPlan:
+    """How the first GEMM gathers its rows from x: along `route` (a _MoeRewriteRoute), each token's row `top_k`
+    times, in `dtype` (the compute dtype), through `kernels` (the Triton kernels for x's dtype, or None)."""
+
+    __slots__ = ("route", "top_k", "dtype", "kernels")
+
+    def __init__(self, route, top_k, dtype, kernels):
+        self.route, self.top_k, self.dtype, self.kernels = route, top_k, dtype, kernels
+
+
 class _MoeRewriteGroupedLinear(torch.autograd.Function):
     """Rows sorted by expert times their expert's weight, for every expert in one grouped GEMM.
 
-    `source` is a weight source (see the top of this block) and `tensors` its `source.tensors`, the inputs autograd
+    `source` is a weight source (see the top of this section) and `tensors` its `source.tensors`, the inputs autograd
     connects this node to. With keep_stacked False, a stacked weight that is not one of those tensors is rebuilt in
     backward instead of being kept alive between forward and backward (lower peak memory). `gather` is None when x
-    holds the rows, or (route, top_k, dtype, kernels) for the first GEMM (route: see _moe_rewrite_route): the rows
-    are x[tokens] in `dtype`, gathered here and again in backward for the weight gradient, so that x (which the
-    router keeps anyway) is kept instead of them (TK x hidden), and x's gradient sums each token's row gradients.
+    holds the rows, or a _MoeRewriteGatherPlan for the first GEMM: the rows are x[route.tokens] in its dtype,
+    gathered here and again in backward for the weight gradient, so that x (which the router keeps anyway) is kept
+    instead of them (TK x hidden), and x's gradient sums each token's row gradients.
     """
 
     @staticmethod
     def forward(ctx, x, offsets, kernel, keep_stacked, gather, source, *tensors):
-        route, ctx.top_k, ctx.dtype, ctx.kernels = gather or ((None, None, None), 1, x.dtype, None)
+        if gather is None:
+            route, ctx.top_k, ctx.dtype, ctx.kernels = None, 1, x.dtype, None
+        else:
+            route, ctx.top_k, ctx.dtype, ctx.kernels = gather.route, gather.top_k, gather.dtype, gather.kernels
         stacked = source.stacked(ctx.dtype)
         ctx.kernel, ctx.source = kernel, source
         # the real and padded row counts when x's rows are gathered; backward through the Triton kernels reads only
         # the positions of the route, so order and tokens are not kept then (the step's peak is in this backward)
-        ctx.rows = None if route[0] is None else (route[0].numel(), route[1].numel())
-        kept = (None, None, route[2]) if ctx.kernels is not None and route[2] is not None else route
+        ctx.rows = None if route is None else (route.order.numel(), route.tokens.numel())
+        if route is None:
+            kept = (None, None, None)
+        elif ctx.kernels is not None and route.positions is not None:
+            kept = (None, None, route.positions)
+        else:
+            kept = (route.order, route.tokens, route.positions)
         ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *kept)
         return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, stacked, *route = ctx.saved_tensors
+        x, offsets, stacked, order, tokens, positions = ctx.saved_tensors
+        route = _MoeRewriteRoute(order, tokens, positions)
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -268,26 +378,12 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
 
 
 def _moe_rewrite_rows(ctx, x, route, padded=True):
-    """The grouped linear's input rows: x itself, or the rows x[tokens] in the compute dtype (route: see
-    _moe_rewrite_route; ctx.rows its real and padded row counts), with the Triton kernels in one pass that reads each
-    token's row once; without the padding rows unless `padded`."""
+    """The grouped linear's input rows: x itself, or the rows x[route.tokens] in the compute dtype (ctx.rows their
+    real and padded counts), with the Triton kernels in one pass that reads each token's row once; without the
+    padding rows unless `padded`."""
     if ctx.rows is None:
         return x
     return _moe_rewrite_gather(ctx.kernels, x, route, ctx.dtype, count=ctx.rows[1] if padded else ctx.rows[0])
-
-
-def _moe_rewrite_gather(kernels, x, route, dtype, topk_weight=None, count=None):
-    """x[tokens] in `dtype` (route: see _moe_rewrite_route): the rows in expert order, padding rows included (or
-    the first `count` of them), through the Triton kernels where they run (each token's row read once, written to
-    its top_k places), else torch's index_select. With topk_weight: (rows, each row's routing weight), the weights in
-    the same pass."""
-    order, tokens, positions = route
-    if kernels is not None and positions is not None:
-        count = tokens.numel() if count is None else count
-        return _moe_rewrite_gather_rows(kernels, x, positions, count, dtype, topk_weight)
-    tokens = tokens if count is None else tokens[:count]
-    rows = x.index_select(0, tokens).to(dtype)
-    return rows if topk_weight is None else (rows, _moe_rewrite_row_weights(topk_weight, order, tokens))
 
 
 def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
@@ -295,98 +391,29 @@ def _moe_rewrite_linear(x, offsets, kernel, keep_stacked, source, gather=None):
 
 
 class _MoeRewriteGather(torch.autograd.Function):
-    """rows[i] = x[tokens[i]]: each token once per selected expert, sorted by expert (for adapters on gate_up, which
-    read the rows too; without them the first grouped linear gathers them itself).
+    """rows[i] = x[route.tokens[i]]: each token once per selected expert, sorted by expert (for adapters on gate_up,
+    which read the rows too; without them the first grouped linear gathers them itself).
 
     Backward sums each token's top_k row gradients (_moe_rewrite_token_sums).
     """
 
     @staticmethod
     def forward(ctx, x, route, top_k, kernels):
-        ctx.save_for_backward(*route)
+        ctx.save_for_backward(route.order, route.tokens, route.positions)
         ctx.top_k, ctx.kernels = top_k, kernels
         return _moe_rewrite_gather(kernels, x, route, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        route = ctx.saved_tensors
+        route = _MoeRewriteRoute(*ctx.saved_tensors)
         return _moe_rewrite_token_sums(ctx.kernels, grad, route, ctx.top_k, grad.dtype), None, None, None
 
 
-def _moe_rewrite_route(topk_ids, num_experts, with_positions, kernels=None, padding=0):
-    """How the (token, slot) rows go to the experts, on the device (no host sync): (offsets, route), offsets the
-    cumulative row counts per expert (int32), route = (order, tokens, positions): `order` sorts the rows by expert
-    (stable: each expert's rows stay in token order, whatever the sort's tie-breaking), the i-th sorted row is token
-    tokens[i], and row j (token j // top_k, slot j % top_k) is at positions[j] in expert order (the inverse
-    permutation, which the Triton kernels read; computed `with_positions`, else None). `padding` more tokens (token
-    0, rows in no expert's group: _moe_rewrite_padding) follow the sorted rows' ones. With `kernels` (the Triton
-    kernels) the same tensors, positions and padding included, come from one launch instead of about ten: the host's
-    time before the first GEMM (bench/NOTES.md, changes 24 and 26)."""
-    if kernels is not None:
-        return _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding)
-    flat_ids = topk_ids.reshape(-1)
-    # Sorted on the narrowest integer type that holds the expert ids: the radix sort makes one or two passes, not 8.
-    key = torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
-    sorted_ids, order = flat_ids.to(key).sort(stable=True)
-    experts = torch.arange(num_experts, device=flat_ids.device, dtype=key)
-    offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    positions = _moe_rewrite_positions(order) if with_positions else None
-    tokens = order // topk_ids.shape[1]
-    if padding:
-        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
-    return offsets, (order, tokens, positions)
-
-
-def _moe_rewrite_padding(rows, num_experts):
-    """How many padding rows (token 0, in no expert's group) after the last sorted one make torch._grouped_mm take
-    its large tile for `rows` routed rows. On sm90 it picks its tile from the average rows per group: up to 128 a
-    64 x 128 one, above 128 x 256 (SonicMoE's tuned choice at V3's sizes, whose routing at 4096 tokens has exactly 128
-    rows per expert on average). Rows past the last offset are never read or written by the GEMMs, and the un-sort and
-    token sums read rows by position, so the padding changes no number (LoRA dropout draws its masks over the padding
-    rows too: other draws, the same distribution). Only where it adds at most an eighth of the rows, else 0
-    (bench/NOTES.md, change 22)."""
-    pad = 129 * num_experts - rows
-    return pad if 0 < pad <= rows // 8 else 0
-
-
-def _moe_rewrite_hopper(device):
-    """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice above.
-    Asked once per device and kept for the process (it is asked every step)."""
-    key = ("sm90", device)
-    if key not in _moe_rewrite_kernels:
-        _moe_rewrite_kernels[key] = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    return _moe_rewrite_kernels[key]
-
-
-def _moe_rewrite_token_sums(kernels, grad_rows, route, top_k, dtype):
-    """Each token's top_k row gradients (rows in expert order) summed in `dtype` (accumulated in float32 for bf16 and
-    fp16): un-sorted by a permutation and summed (no atomics, deterministic), in one pass with `kernels` (the Triton
-    kernels, or None)."""
-    order, _, positions = route
-    if kernels is not None:
-        return _moe_rewrite_sum_rows(kernels, grad_rows, positions, top_k, dtype=dtype)
-    return _moe_rewrite_unsort(grad_rows, order, dtype).view(-1, top_k, grad_rows.shape[-1]).sum(dim=1)
-
-
-def _moe_rewrite_unsort(rows, order, dtype=None):
-    """Rows in expert order back to (token, slot) order, in `dtype` (rows' by default): a permutation, so no atomics
-    and a deterministic result; padding rows past the real ones (_moe_rewrite_padding) are dropped."""
-    rows = rows[: order.numel()]
-    return torch.empty_like(rows, dtype=dtype).index_copy_(0, order, rows.to(dtype or rows.dtype))
-
-
-def _moe_rewrite_positions(order):
-    """Where each (token, slot) row is in expert order: the inverse of the permutation `order`."""
-    return torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-
-
-def _moe_rewrite_combine(y, topk_weight):
-    """Weighted sum over each token's top-k expert outputs, in the promoted dtype (float32 for fp32 router weights).
-
-    The multiply promotes y itself (bf16 -> fp32 is exact), so this is moe_infer's cast-then-multiply without a copy.
-    """
-    dtype = torch.promote_types(y.dtype, topk_weight.dtype)
-    return (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1).to(dtype)).sum(dim=1)
+def _moe_rewrite_is_silu(act_fn):
+    """Whether the experts' activation is SiLU (ACT2FN["silu"]: torch's nn.SiLU, or transformers' SiLUActivation)."""
+    kind = type(act_fn)
+    transformers_silu = kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
+    return kind is torch.nn.SiLU or transformers_silu
 
 
 class _MoeRewriteExpertOutput(torch.autograd.Function):
@@ -397,7 +424,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
     gradients, and takes each routing weight's gradient as that GEMM's output dotted with the recomputed row
     (<dy, h W^T> = <dy W, h>), so neither the activation, the product nor the expert outputs are kept: about
     TK * (2 * intermediate + hidden) elements less per layer than autograd over the composed ops.
-    `gate_up` holds each row's gate then up projection in expert order (`route`: see _moe_rewrite_route); the result
+    `gate_up` holds each row's gate then up projection in expert order (`route`: a _MoeRewriteRoute); the result
     is in `out_dtype`, or the promoted dtype of the outputs and routing weights when it is None (the sum is
     accumulated in float32 either way and rounded once). For SiLU where the Triton kernels run, SwiGLU, the un-sort
     and weighted sum, and backward's elementwise work are one pass each.
@@ -414,20 +441,19 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             hidden = act_fn(gate) * up
         out = _moe_rewrite_gmm(kernel, hidden, stacked, offsets, "fwd")
         ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
-        order, tokens, positions = route
         kept = _moe_rewrite_kept(stacked, keep_stacked, tensors)
-        ctx.save_for_backward(gate_up, topk_weight, order, tokens, positions, offsets, kept)
+        ctx.save_for_backward(gate_up, topk_weight, route.order, route.tokens, route.positions, offsets, kept)
         dtype = out_dtype or torch.promote_types(out.dtype, topk_weight.dtype)
         if kernels is not None:
-            return _moe_rewrite_sum_rows(kernels, out, positions, topk_weight.shape[1], topk_weight, dtype)
-        return _moe_rewrite_combine(_moe_rewrite_unsort(out, order), topk_weight).to(dtype)
+            return _moe_rewrite_sum_rows(kernels, out, route.positions, topk_weight.shape[1], topk_weight, dtype)
+        return _moe_rewrite_combine(_moe_rewrite_unsort(out, route.order), topk_weight).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         gate_up, topk_weight, order, tokens, positions, offsets, stacked = ctx.saved_tensors
         kernel, act_fn, kernels = ctx.kernel, ctx.act_fn, ctx.kernels
         # each row's token gradient, and its routing weight (in the weights' own precision), in expert order
-        route = (order, tokens, positions)
+        route = _MoeRewriteRoute(order, tokens, positions)
         grad_rows, row_weight = _moe_rewrite_gather(kernels, grad, route, gate_up.dtype, topk_weight)
         tensor_grads = ctx.needs_input_grad[9:]  # after gate_up, ..., act_fn, out_dtype, source
         grads = (None,) * len(tensor_grads)
@@ -506,11 +532,10 @@ class _MoeRewriteCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, topk_weight, route, out_dtype, kernels):
-        order, tokens, positions = route
-        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, topk_weight, order, tokens)
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, topk_weight, route.order, route.tokens)
         ctx.kernels, ctx.dtype = kernels, rows.dtype
         dtype = out_dtype or torch.promote_types(rows.dtype, topk_weight.dtype)
-        return _moe_rewrite_sum_rows(kernels, rows, positions, topk_weight.shape[1], topk_weight, dtype)
+        return _moe_rewrite_sum_rows(kernels, rows, route.positions, topk_weight.shape[1], topk_weight, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -520,15 +545,6 @@ class _MoeRewriteCombine(torch.autograd.Function):
         return grad_rows, _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight), None, None, None
 
 
-def _moe_rewrite_row_weights(topk_weight, order, tokens):
-    """Each sorted row's routing weight, in the weights' own precision; zero for padding rows (_moe_rewrite_padding:
-    a weight for the kernels to read, whose products reach no expert and no token)."""
-    row_weight = topk_weight.reshape(-1)[order]
-    if tokens.numel() > order.numel():
-        row_weight = torch.cat([row_weight, row_weight.new_zeros(tokens.numel() - order.numel())])
-    return row_weight
-
-
 def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     """The routing weights' gradient from each row's <dy W, h> in expert order (float32), or None when not needed."""
     if not ctx.needs_input_grad[1]:
@@ -536,17 +552,68 @@ def _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight):
     return _moe_rewrite_unsort(per_row, order).view(topk_weight.shape).to(topk_weight.dtype)
 
 
+def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
+    """The routed experts' weighted outputs through SonicMoE (kernel "sonicmoe"), or None when it cannot run them as
+    the grouped GEMMs would: adapters, an activation other than SiLU, experts that are not fused parameters, sizes
+    whose rows are not 16-byte aligned, or under torch.compile.
+
+    SonicMoE gathers the rows inside its up-projection GEMM, applies SwiGLU in that GEMM's epilogue and scatters the
+    weighted rows out of the down projection, with its own backward (gradients for x, both weights and the routing
+    weights). It reads the fused parameters as they are: (E, 2I, H) as (2I, H, E), its layout, with concat_layout for
+    the [gate; up] rows. Its first call per token count autotunes and compiles its kernels (minutes on an H200).
+    """
+    gate_up_w, down_w = weights.gate_up, weights.down
+    experts, double, hidden = gate_up_w.shape
+    if (
+        any(weights.adapters.values())
+        or not _moe_rewrite_is_silu(weights.act_fn)
+        or type(gate_up_w) is not _MoeRewriteExpertWeight
+        or type(down_w) is not _MoeRewriteExpertWeight
+        or hidden % 8
+        or double % 16
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    sonicmoe = _moe_rewrite_sonicmoe()
+    tokens, top_k = topk_ids.shape
+    out, _ = sonicmoe.moe_general_routing_inputs(
+        x.to(dtype).contiguous(),
+        topk_weight.reshape(-1).float(),
+        torch.arange(tokens, device=x.device, dtype=torch.int32).repeat_interleave(top_k),  # sorted token ids
+        topk_ids.reshape(-1).to(torch.int32),
+        gate_up_w.stacked(dtype).permute(1, 2, 0),
+        None,
+        down_w.stacked(dtype).permute(1, 2, 0),
+        None,
+        experts,
+        torch.cuda.current_stream(x.device).cuda_stream,
+        sonicmoe.enums.ActivationType.SWIGLU,
+        concat_layout=True,
+    )
+    return out.to(torch.promote_types(dtype, topk_weight.dtype))  # the dtype the grouped GEMMs return
+
+
+def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
+    """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
+    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions)."""
+    flat_ids = topk_ids.view(-1)
+    x = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    y = torch.empty_like(x)
+    for i, expert in enumerate(experts):
+        y[flat_ids == i] = expert(x[flat_ids == i])
+    return _moe_rewrite_combine(y, topk_weight)
+
+
 def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts, kernel, dtype, out_dtype):
-    """The routed experts' weighted outputs for tokens x: `weights` is (gate_up, down, act_fn, adapters), two weight
-    sources (gate and up concatenated along the output dim, so one GEMM runs both), the activation, and the LoRA
-    adapters: {name: ((A, B, scaling, dropout), ...)} on gate_up_proj and down_proj as a whole (parameter_lora.py) or
-    on the gate_proj, up_proj and down_proj of every expert (expert_linears.py)."""
+    """The routed experts' weighted outputs for tokens x, `weights` a _MoeRewriteExpertMLP (the weight sources, the
+    activation and the LoRA adapters), through the grouped GEMMs on `kernel`, or through SonicMoE where it is chosen
+    and can run them."""
     if kernel == "sonicmoe":
         out = _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype)
         if out is not None:
             return out.to(out_dtype or out.dtype)
         kernel = "torch"
-    gate_up_w, down_w, act_fn, adapters = weights
+    gate_up_w, down_w, act_fn, adapters = weights.gate_up, weights.down, weights.act_fn, weights.adapters
     top_k = topk_ids.shape[1]
     # The kernels for the rows (in the compute dtype: every step but x's gradient) and for x's gradient (in x's dtype:
     # there only where the rows' are too, so the route holds the positions whenever either reads them).
@@ -563,7 +630,8 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     keep = _moe_rewrite_options["stacking"] == "stack" and not distributed
     if not (adapters.get("gate_up_proj") or adapters.get("gate_proj") or adapters.get("up_proj")):
-        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=(route, top_k, dtype, x_kernels))
+        gather = _MoeRewriteGatherPlan(route, top_k, dtype, x_kernels)
+        gate_up = _moe_rewrite_linear(x, offsets, kernel, keep, gate_up_w, gather=gather)
     else:  # the adapters read the gathered rows too
         rows = _MoeRewriteGather.apply(x, route, top_k, x_kernels).to(dtype)
         gate_up = _moe_rewrite_linear(rows, offsets, kernel, keep, gate_up_w)
@@ -586,7 +654,7 @@ def _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, num_experts,
     out = _moe_rewrite_add_lora(out, hidden, offsets, kernel, keep, adapters.get("down_proj", ()))
     if kernels is not None:
         return _MoeRewriteCombine.apply(out, topk_weight, route, out_dtype, kernels)
-    out = _moe_rewrite_combine(_moe_rewrite_unsort(out, route[0]), topk_weight)
+    out = _moe_rewrite_combine(_moe_rewrite_unsort(out, route.order), topk_weight)
     return out.to(out_dtype or out.dtype)
 
 
@@ -603,31 +671,145 @@ def _moe_rewrite_add_lora(y, x, offsets, kernel, keep_stacked, loras):
     return y
 
 
-def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
-    """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
-    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions)."""
-    flat_ids = topk_ids.view(-1)
-    x = x.repeat_interleave(topk_ids.shape[1], dim=0)
-    y = torch.empty_like(x)
-    for i, expert in enumerate(experts):
-        y[flat_ids == i] = expert(x[flat_ids == i])
-    return _moe_rewrite_combine(y, topk_weight)
-
-
 MOE_REWRITE_TRITON_BLOCK = 1024  # columns per program (pass): the rows are memory-bound, one block keeps it simple
+
+
+def _moe_rewrite_blocks(columns):
+    """How many column blocks cover `columns` columns."""
+    return -(-columns // MOE_REWRITE_TRITON_BLOCK)
+
+
 MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
-# The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
-# V3's sizes on an H200 (bench/NOTES.md, change 26)
-MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
 
 
-def _moe_rewrite_build_triton():
-    """The kernels, {name: jitted function}, or None where triton is not installed. Called once per process."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _moe_rewrite_route_kernels():
+    """{"route": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route(ids, order, tokens, positions, offsets, rows, top_k, padding, BLOCK: tl.constexpr):
+        """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
+        after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
+        order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
+        program reads all the ids twice (they are few: no atomics, no sort, one launch). The `padding` entries of
+        tokens after the rows' get token 0, a share of them from each program."""
+        expert = tl.program_id(0)
+        for start in range(expert * BLOCK, padding, tl.num_programs(0) * BLOCK):
+            pad = start + tl.arange(0, BLOCK)
+            tl.store(tokens + rows + pad, tl.zeros([BLOCK], dtype=tl.int64), mask=pad < padding)
+        lower = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            ids_j = tl.load(ids + j, mask=j < rows, other=expert)  # masked-off: counted as neither lower nor hit
+            lower += (ids_j < expert).to(tl.int32)
+        place = tl.sum(lower, axis=0)
+        for start in range(0, rows, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            hit = tl.load(ids + j, mask=j < rows, other=-1) == expert
+            at = place + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(order + at, j.to(tl.int64), mask=hit)
+            tl.store(tokens + at, (j // top_k).to(tl.int64), mask=hit)
+            tl.store(positions + j, at.to(tl.int64), mask=hit)
+            place += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(offsets + expert, place)
+
+    return {"route": route}
+
+
+def _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding=0):
+    """(offsets, order, tokens, positions) for the routing topk_ids (tokens, top_k), as route.py's _moe_rewrite_route
+    computes them with torch ops (a stable sort by expert and its inverse), `padding` zeros after the tokens included,
+    in one launch: the host issues one kernel before the first GEMM instead of about ten."""
+    ids = topk_ids.reshape(-1).contiguous()
+    rows = ids.numel()
+    order, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(2))
+    tokens = torch.empty(rows + padding, device=ids.device, dtype=torch.int64)
+    offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
+    kernels["route"][(num_experts,)](
+        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], padding, BLOCK=MOE_REWRITE_ROUTE_BLOCK
+    )
+    return offsets, order, tokens, positions
+
+
+def _moe_rewrite_gather_kernels():
+    """{"gather_rows": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows(
+        x,
+        positions,
+        out,
+        weight,
+        row_weight,
+        tokens,
+        top_k,
+        real_rows,
+        hidden,
+        WEIGHTS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """out[positions[t * top_k + k]] = x[t] for token t < tokens and each slot k: each token's row read once and
+        written to its top_k places (in token order, not row by row: x's rows are not read top_k times over), and,
+        WEIGHTS, row_weight[positions[t * top_k + k]] = weight[t * top_k + k]. A program t >= tokens writes padding
+        row real_rows + t - tokens with token 0's row (and a zero weight)."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        first = tl.program_id(1) == 0  # the column block that writes the weights
+        if token < tokens:
+            value = tl.load(x + token * hidden + cols, mask=mask).to(out.dtype.element_ty)
+            for k in range(top_k):
+                row = tl.load(positions + token * top_k + k).to(tl.int64)
+                tl.store(out + row * hidden + cols, value, mask=mask)
+                if WEIGHTS and first:
+                    tl.store(row_weight + row, tl.load(weight + token * top_k + k))
+        else:
+            row = real_rows + token - tokens
+            tl.store(out + row * hidden + cols, tl.load(x + cols, mask=mask).to(out.dtype.element_ty), mask=mask)
+            if WEIGHTS and first:
+                tl.store(row_weight + row, tl.zeros([], dtype=row_weight.dtype.element_ty))
+
+    return {"gather_rows": gather_rows}
+
+
+def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight=None):
+    """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
+    `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
+    _moe_rewrite_padding) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
+    With topk_weight (tokens, top_k): (rows, row_weight), each row's routing weight in the same pass (zero for
+    padding rows), as route.py's _moe_rewrite_row_weights gives them."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    out = x.new_empty(rows, hidden, dtype=dtype)
+    weight = None if topk_weight is None else topk_weight.reshape(-1).contiguous()
+    row_weight = None if weight is None else weight.new_empty(rows)
+    if rows:
+        real = positions.numel()
+        grid = (tokens + rows - real, _moe_rewrite_blocks(hidden))
+        kernels["gather_rows"][grid](
+            x,
+            positions,
+            out,
+            out if weight is None else weight,
+            out if weight is None else row_weight,
+            tokens,
+            real // tokens,
+            real,
+            hidden,
+            WEIGHTS=weight is not None,
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return out if weight is None else (out, row_weight)
+
+
+def _moe_rewrite_swiglu_kernels():
+    """{"swiglu", "swiglu_backward": the jitted kernels}. triton must be installed (dispatch.py's
+    _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def swiglu(gate_up, out, inter, BLOCK: tl.constexpr):
@@ -669,6 +851,49 @@ def _moe_rewrite_build_triton():
                 tl.store(grad_h + row * inter + cols, (act * up * weight).to(grad_h.dtype.element_ty), mask=mask)
         tl.store(per_row + row, tl.sum(dot, axis=0))
 
+    return {"swiglu": swiglu, "swiglu_backward": swiglu_backward}
+
+
+def _moe_rewrite_swiglu(kernels, gate_up):
+    """silu(gate) * up for rows of gate_up = [gate; up] (rows, 2 * inter) -> (rows, inter)."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    if rows:
+        grid = (rows, _moe_rewrite_blocks(inter))
+        kernels["swiglu"][grid](gate_up, out, inter, BLOCK=MOE_REWRITE_TRITON_BLOCK)
+    return out
+
+
+def _moe_rewrite_swiglu_backward(kernels, gate_up, grad_h, row_weight, weighted):
+    """(grad_gate_up, per_row) for rows of gate_up = [gate; up], the gradient grad_h of silu(gate) * up before each
+    row's routing weight, and the weights (rows,): the gradient of row_weight * silu(gate) * up with respect to
+    gate_up, and per_row = <grad_h, silu(gate) * up> in float32. With `weighted`, grad_h (contiguous, not needed
+    afterwards) is overwritten with row_weight * silu(gate) * up."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    grad_gate_up = torch.empty_like(gate_up)
+    per_row = torch.empty(rows, device=gate_up.device, dtype=torch.float32)
+    if rows:
+        kernels["swiglu_backward"][(rows,)](
+            gate_up,
+            grad_h,
+            row_weight.contiguous(),
+            grad_gate_up,
+            per_row,
+            inter,
+            WEIGHTED=weighted,
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return grad_gate_up, per_row
+
+
+def _moe_rewrite_sum_rows_kernels():
+    """{"sum_rows", "sum_rows_backward": the jitted kernels}. triton must be installed (dispatch.py's
+    _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def sum_rows(rows, position, weight, out, top_k, hidden, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
         """out[t] = sum over k of rows[position[t * top_k + k]] (times weight[t, k] when WEIGHTED), k in order."""
@@ -704,67 +929,60 @@ def _moe_rewrite_build_triton():
         if DOT:
             tl.store(per_row + row, tl.sum(dot, axis=0))
 
-    @triton.jit
-    def gather_rows(
-        x,
-        positions,
-        out,
-        weight,
-        row_weight,
-        tokens,
-        top_k,
-        real_rows,
-        hidden,
-        WEIGHTS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """out[positions[t * top_k + k]] = x[t] for token t < tokens and each slot k: each token's row read once and
-        written to its top_k places (in token order, not row by row: x's rows are not read top_k times over), and,
-        WEIGHTS, row_weight[positions[t * top_k + k]] = weight[t * top_k + k]. A program t >= tokens writes padding
-        row real_rows + t - tokens with token 0's row (and a zero weight)."""
-        token = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < hidden
-        first = tl.program_id(1) == 0  # the column block that writes the weights
-        if token < tokens:
-            value = tl.load(x + token * hidden + cols, mask=mask).to(out.dtype.element_ty)
-            for k in range(top_k):
-                row = tl.load(positions + token * top_k + k).to(tl.int64)
-                tl.store(out + row * hidden + cols, value, mask=mask)
-                if WEIGHTS and first:
-                    tl.store(row_weight + row, tl.load(weight + token * top_k + k))
-        else:
-            row = real_rows + token - tokens
-            tl.store(out + row * hidden + cols, tl.load(x + cols, mask=mask).to(out.dtype.element_ty), mask=mask)
-            if WEIGHTS and first:
-                tl.store(row_weight + row, tl.zeros([], dtype=row_weight.dtype.element_ty))
+    return {"sum_rows": sum_rows, "sum_rows_backward": sum_rows_backward}
 
-    @triton.jit
-    def route(ids, order, tokens, positions, offsets, rows, top_k, padding, BLOCK: tl.constexpr):
-        """Program e places the rows routed to expert e (row j: token j // top_k, slot j % top_k, expert ids[j])
-        after every row of a lower expert, in row order (a stable sort by expert): at each of its places i,
-        order[i] = j and tokens[i] = j // top_k, and positions[j] = i; offsets[e] = the rows of experts <= e. Each
-        program reads all the ids twice (they are few: no atomics, no sort, one launch). The `padding` entries of
-        tokens after the rows' get token 0, a share of them from each program."""
-        expert = tl.program_id(0)
-        for start in range(expert * BLOCK, padding, tl.num_programs(0) * BLOCK):
-            pad = start + tl.arange(0, BLOCK)
-            tl.store(tokens + rows + pad, tl.zeros([BLOCK], dtype=tl.int64), mask=pad < padding)
-        lower = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, rows, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            ids_j = tl.load(ids + j, mask=j < rows, other=expert)  # masked-off: counted as neither lower nor hit
-            lower += (ids_j < expert).to(tl.int32)
-        place = tl.sum(lower, axis=0)
-        for start in range(0, rows, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            hit = tl.load(ids + j, mask=j < rows, other=-1) == expert
-            at = place + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            tl.store(order + at, j.to(tl.int64), mask=hit)
-            tl.store(tokens + at, (j // top_k).to(tl.int64), mask=hit)
-            tl.store(positions + j, at.to(tl.int64), mask=hit)
-            place += tl.sum(hit.to(tl.int32), axis=0)
-        tl.store(offsets + expert, place)
+
+def _moe_rewrite_sum_rows(kernels, rows, position, top_k, weight=None, dtype=None):
+    """(tokens, hidden) from rows in expert order: token t's rows position[t * top_k : (t + 1) * top_k], summed in
+    float32 (each times weight[t, k] when weight is given) and written in `dtype` (rows' dtype by default)."""
+    rows = rows.contiguous()
+    tokens, hidden = position.shape[0] // top_k, rows.shape[1]
+    out = rows.new_empty(tokens, hidden, dtype=dtype or rows.dtype)
+    if tokens:
+        grid = (tokens, _moe_rewrite_blocks(hidden))
+        kernels["sum_rows"][grid](
+            rows,
+            position,
+            rows if weight is None else weight.contiguous(),
+            out,
+            top_k,
+            hidden,
+            WEIGHTED=weight is not None,
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return out
+
+
+def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype):
+    """The backward of the weighted sum over each token's rows (_moe_rewrite_sum_rows with weights) for rows in expert
+    order, the i-th of token tokens[i] with weight row_weight[i]: (grad_rows, per_row), grad_rows[i] =
+    row_weight[i] * grad[tokens[i]] in `dtype`, and per_row[i] = <grad[tokens[i]], rows[i]> in float32 (None when rows
+    is None: the weights need no gradient)."""
+    grad = grad.contiguous()
+    grad_rows = grad.new_empty(tokens.shape[0], grad.shape[1], dtype=dtype)
+    per_row = None if rows is None else torch.empty(tokens.shape[0], device=grad.device, dtype=torch.float32)
+    if tokens.shape[0]:
+        kernels["sum_rows_backward"][(tokens.shape[0],)](
+            grad,
+            grad if rows is None else rows.contiguous(),
+            tokens,
+            row_weight.contiguous(),
+            grad_rows,
+            grad_rows if per_row is None else per_row,
+            grad.shape[1],
+            DOT=rows is not None,
+            BLOCK=MOE_REWRITE_TRITON_BLOCK,
+        )
+    return grad_rows, per_row
+
+
+MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
+
+
+def _moe_rewrite_gemm_kernels():
+    """{"grouped_mm": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def grouped_mm(
@@ -817,15 +1035,7 @@ def _moe_rewrite_build_triton():
             at = out + rows.to(tl.int64)[:, None] * n + cols[None, :]
             tl.store(at, acc.to(out.dtype.element_ty), mask=in_rows[:, None] & in_cols)
 
-    return {
-        "route": route,
-        "grouped_mm": grouped_mm,
-        "gather_rows": gather_rows,
-        "swiglu": swiglu,
-        "swiglu_backward": swiglu_backward,
-        "sum_rows": sum_rows,
-        "sum_rows_backward": sum_rows_backward,
-    }
+    return {"grouped_mm": grouped_mm}
 
 
 def _moe_rewrite_gemm_fits(n, k):
@@ -835,7 +1045,7 @@ def _moe_rewrite_gemm_fits(n, k):
 
 
 def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
-    """grouped_gemm._moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
+    """grouped_linear.py's _moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
     for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
     torch._grouped_mm gives, those past the last offset left unwritten as there."""
     bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
@@ -867,133 +1077,6 @@ def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
             num_stages=stages,
         )
     return out
-
-
-def _moe_rewrite_blocks(columns):
-    return -(-columns // MOE_REWRITE_TRITON_BLOCK)
-
-
-def _moe_rewrite_route_rows(kernels, topk_ids, num_experts, padding=0):
-    """(offsets, (order, tokens, positions)) for the routing topk_ids (tokens, top_k), as grouped_gemm's
-    _moe_rewrite_route computes them with torch ops (a stable sort by expert and its inverse), `padding` zeros after
-    the tokens included, in one launch: the host issues one kernel before the first GEMM instead of about ten."""
-    ids = topk_ids.reshape(-1).contiguous()
-    rows = ids.numel()
-    order, positions = (torch.empty(rows, device=ids.device, dtype=torch.int64) for _ in range(2))
-    tokens = torch.empty(rows + padding, device=ids.device, dtype=torch.int64)
-    offsets = torch.empty(num_experts, device=ids.device, dtype=torch.int32)
-    kernels["route"][(num_experts,)](
-        ids, order, tokens, positions, offsets, rows, topk_ids.shape[1], padding, BLOCK=MOE_REWRITE_ROUTE_BLOCK
-    )
-    return offsets, (order, tokens, positions)
-
-
-def _moe_rewrite_gather_rows(kernels, x, positions, rows, dtype, topk_weight=None):
-    """The (rows, hidden) rows x[tokens] in expert order, in `dtype`, for the route whose inverse permutation is
-    `positions` (token t's slot k at positions[t * top_k + k]); rows past the real ones (padding,
-    _moe_rewrite_padding) get token 0's row, as x.index_select(0, tokens).to(dtype) gives for the padded tokens.
-    With topk_weight (tokens, top_k): (rows, row_weight), each row's routing weight in the same pass (zero for
-    padding rows), as grouped_gemm's _moe_rewrite_row_weights gives them."""
-    x = x.contiguous()
-    tokens, hidden = x.shape
-    out = x.new_empty(rows, hidden, dtype=dtype)
-    weight = None if topk_weight is None else topk_weight.reshape(-1).contiguous()
-    row_weight = None if weight is None else weight.new_empty(rows)
-    if rows:
-        real = positions.numel()
-        grid = (tokens + rows - real, _moe_rewrite_blocks(hidden))
-        kernels["gather_rows"][grid](
-            x,
-            positions,
-            out,
-            out if weight is None else weight,
-            out if weight is None else row_weight,
-            tokens,
-            real // tokens,
-            real,
-            hidden,
-            WEIGHTS=weight is not None,
-            BLOCK=MOE_REWRITE_TRITON_BLOCK,
-        )
-    return out if weight is None else (out, row_weight)
-
-
-def _moe_rewrite_swiglu(kernels, gate_up):
-    """silu(gate) * up for rows of gate_up = [gate; up] (rows, 2 * inter) -> (rows, inter)."""
-    gate_up = gate_up.contiguous()
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(rows, inter)
-    if rows:
-        grid = (rows, _moe_rewrite_blocks(inter))
-        kernels["swiglu"][grid](gate_up, out, inter, BLOCK=MOE_REWRITE_TRITON_BLOCK)
-    return out
-
-
-def _moe_rewrite_swiglu_backward(kernels, gate_up, grad_h, row_weight, weighted):
-    """(grad_gate_up, per_row) for rows of gate_up = [gate; up], the gradient grad_h of silu(gate) * up before each
-    row's routing weight, and the weights (rows,): the gradient of row_weight * silu(gate) * up with respect to
-    gate_up, and per_row = <grad_h, silu(gate) * up> in float32. With `weighted`, grad_h (contiguous, not needed
-    afterwards) is overwritten with row_weight * silu(gate) * up."""
-    gate_up = gate_up.contiguous()
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    grad_gate_up = torch.empty_like(gate_up)
-    per_row = torch.empty(rows, device=gate_up.device, dtype=torch.float32)
-    if rows:
-        kernels["swiglu_backward"][(rows,)](
-            gate_up,
-            grad_h,
-            row_weight.contiguous(),
-            grad_gate_up,
-            per_row,
-            inter,
-            WEIGHTED=weighted,
-            BLOCK=MOE_REWRITE_TRITON_BLOCK,
-        )
-    return grad_gate_up, per_row
-
-
-def _moe_rewrite_sum_rows(kernels, rows, position, top_k, weight=None, dtype=None):
-    """(tokens, hidden) from rows in expert order: token t's rows position[t * top_k : (t + 1) * top_k], summed in
-    float32 (each times weight[t, k] when weight is given) and written in `dtype` (rows' dtype by default)."""
-    rows = rows.contiguous()
-    tokens, hidden = position.shape[0] // top_k, rows.shape[1]
-    out = rows.new_empty(tokens, hidden, dtype=dtype or rows.dtype)
-    if tokens:
-        grid = (tokens, _moe_rewrite_blocks(hidden))
-        kernels["sum_rows"][grid](
-            rows,
-            position,
-            rows if weight is None else weight.contiguous(),
-            out,
-            top_k,
-            hidden,
-            WEIGHTED=weight is not None,
-            BLOCK=MOE_REWRITE_TRITON_BLOCK,
-        )
-    return out
-
-
-def _moe_rewrite_sum_rows_backward(kernels, grad, rows, tokens, row_weight, dtype):
-    """The backward of the weighted sum over each token's rows (_moe_rewrite_sum_rows with weights) for rows in expert
-    order, the i-th of token tokens[i] with weight row_weight[i]: (grad_rows, per_row), grad_rows[i] =
-    row_weight[i] * grad[tokens[i]] in `dtype`, and per_row[i] = <grad[tokens[i]], rows[i]> in float32 (None when rows
-    is None: the weights need no gradient)."""
-    grad = grad.contiguous()
-    grad_rows = grad.new_empty(tokens.shape[0], grad.shape[1], dtype=dtype)
-    per_row = None if rows is None else torch.empty(tokens.shape[0], device=grad.device, dtype=torch.float32)
-    if tokens.shape[0]:
-        kernels["sum_rows_backward"][(tokens.shape[0],)](
-            grad,
-            grad if rows is None else rows.contiguous(),
-            tokens,
-            row_weight.contiguous(),
-            grad_rows,
-            grad_rows if per_row is None else per_row,
-            grad.shape[1],
-            DOT=rows is not None,
-            BLOCK=MOE_REWRITE_TRITON_BLOCK,
-        )
-    return grad_rows, per_row
 
 
 MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -1117,29 +1200,29 @@ def _moe_rewrite_accumulate(weights, grads):
 
 def _moe_rewrite_lora(projections):
     """The LoRA adapters PEFT put on one projection of every expert (`projections`: E modules), as the core reads them:
-    (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights. None when no expert's
-    projection is adapted; False when the grouped GEMMs cannot reproduce the modules' own forward (adapters other than
-    LoRA, some experts adapted and others not, several active adapters, DoRA and other variants, LoRA biases, different
-    scalings or dropouts, layers in different states): the per-expert loop runs them then. Disabled or merged adapters
-    are None (PEFT's forward runs the base layer alone, which holds W + BA once merged), except both at once (PEFT's
-    forward unmerges then): False.
+    a tuple of (A, B, scaling, dropout), A and B weight sources over the experts' lora_A / lora_B weights; () when no
+    adapter adds anything (no expert's projection is adapted, or the adapters are disabled or merged: PEFT's forward
+    runs the base layer alone, which holds W + BA once merged). None when the grouped GEMMs cannot reproduce the
+    modules' own forward, and the per-expert loop runs them: adapters other than LoRA, some experts adapted and others
+    not, several active adapters, DoRA and other variants, LoRA biases, different scalings or dropouts, layers in
+    different states, adapters disabled and merged at once (PEFT's forward unmerges them then).
     """
     # Submodules through nn.Module's own _modules dict (PEFT's lora_A / lora_B / lora_dropout ModuleDicts): this runs
     # for 3 * E layers per MoE layer and step, and nn.Module.__getattr__ costs about a microsecond per lookup.
     wrapped = ["base_layer" in p._modules for p in projections]
     if not any(wrapped):
-        return None
+        return ()
     if not all(wrapped) or not all("lora_A" in p._modules for p in projections):  # other tuners: their own forward
-        return False
+        return None
     first = projections[0]
     state = (first.disable_adapters, first.merged)
     if any((p.disable_adapters, p.merged) != state for p in projections) or all(state):
-        return False
-    if any(state):
         return None
+    if any(state):
+        return ()
     adapters = list(first.active_adapters)
     if len(adapters) != 1 or adapters[0] not in first._modules["lora_A"]._modules:
-        return False
+        return None
     name = adapters[0]
     scaling, dropout = first.scaling[name], first._modules["lora_dropout"]._modules[name]
     rate = dropout.__dict__.get("p")  # nn.Dropout's rate; nn.Identity (no dropout) has none
@@ -1150,14 +1233,14 @@ def _moe_rewrite_lora(projections):
         b = modules["lora_B"]._modules.get(name)
         drop = modules["lora_dropout"]._modules.get(name)
         if a is None or list(p.active_adapters) != adapters:
-            return False
+            return None
         if name in p.__dict__.get("lora_variant", ()) or p.use_dora.get(name) or b._parameters.get("bias") is not None:
-            return False
+            return None
         if p.scaling[name] != scaling or type(drop) is not type(dropout) or drop.__dict__.get("p") != rate:
-            return False
+            return None
         a_weights.append(a._parameters["weight"])
         b_weights.append(b._parameters["weight"])
-    return _MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout
+    return ((_MoeRewriteExpertLinears(a_weights, 1), _MoeRewriteExpertLinears(b_weights, 1), scaling, dropout),)
 
 
 def _moe_rewrite_projections(experts):
@@ -1166,15 +1249,15 @@ def _moe_rewrite_projections(experts):
 
 
 def _moe_rewrite_adapters(projections):
-    """{projection name: (_moe_rewrite_lora(...),)} for the adapted ones of `projections` (_moe_rewrite_projections;
-    {} when none is), or False when the loop must run them."""
+    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
+    {} when none is), or None when the loop must run them."""
     adapters = {}
     for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
-        lora = _moe_rewrite_lora(column)
-        if lora is False:
-            return False
-        if lora is not None:
-            adapters[name] = (lora,)
+        loras = _moe_rewrite_lora(column)
+        if loras is None:
+            return None
+        if loras:
+            adapters[name] = loras
     return adapters
 
 
@@ -1191,42 +1274,44 @@ def _moe_rewrite_unwrap(experts):
 
 
 def _moe_rewrite_parameter_lora(wrapper):
-    """One ParamWrapper's LoRA adapter as the core reads it, (A, B, scaling, dropout): weight sources over
+    """One ParamWrapper's LoRA adapters as the core reads them (as expert_linears.py's _moe_rewrite_lora): a tuple of
+    (A, B, scaling, dropout), A and B weight sources over
     (E, r, in) and (E, out, r) views of PEFT's lora_A (r * E, in) and lora_B (out, r * E) weights, taken from PEFT's
     own get_delta_factors (whose product, times scaling, is the delta PEFT adds to the parameter in its forward), so
-    the core adds exactly that delta's contribution without forming it. None when the wrapper adds nothing (adapters
-    disabled, or merged into the parameter); False when the grouped GEMMs cannot reproduce its forward (several active
+    the core adds exactly that delta's contribution without forming it. () when the wrapper adds nothing (adapters
+    disabled, or merged into the parameter); None when the grouped GEMMs cannot reproduce its forward (several active
     adapters, disabled adapters that are merged: PEFT unmerges them in its forward; a PEFT without get_delta_factors).
     """
     merged, disabled = wrapper.merged, wrapper.disable_adapters
     if disabled or merged:
-        return False if disabled and merged else None
+        return None if disabled and merged else ()
     lora_a = wrapper._modules["lora_A"]._modules
     names = [name for name in wrapper.active_adapters if name in lora_a]
     if not names:
-        return None
+        return ()
     dropout = wrapper._modules["lora_dropout"]._modules.get(names[0])
     if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
-        return False
+        return None
     lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
     # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
     # expert as its fastest dim, so it is copied (out * r * E elements, with autograd).
-    return _MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout
+    return ((_MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout),)
 
 
 def _moe_rewrite_parameter_adapters(wrappers):
-    """{parameter name: (lora,)} for the adapters of `wrappers` (_moe_rewrite_unwrap's; {} when none adds anything),
-    or False when the loop must run them through PEFT's forward (a parameter wrapped twice included)."""
+    """{parameter name: _moe_rewrite_parameter_lora(...)} for the adapters of `wrappers` (_moe_rewrite_unwrap's; {}
+    when none adds anything), or None when the loop must run them through PEFT's forward (a parameter wrapped twice
+    included)."""
     adapters = {}
     names = [wrapper.__dict__["parameter_name"] for wrapper in wrappers]
     if len(set(names)) != len(names) or not set(names) <= {"gate_up_proj", "down_proj"}:
-        return False
+        return None
     for name, wrapper in zip(names, wrappers):
-        lora = _moe_rewrite_parameter_lora(wrapper)
-        if lora is False:
-            return False
-        if lora is not None:
-            adapters[name] = (lora,)
+        loras = _moe_rewrite_parameter_lora(wrapper)
+        if loras is None:
+            return None
+        if loras:
+            adapters[name] = loras
     return adapters
 
 
@@ -1309,13 +1394,8 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
         for i in range(len(gate_w)):
             self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
-        # The views and their projections as made, for _moe_rewrite_own_projections (attributes, not submodules)
-        keys = tuple(str(i) for i in range(len(gate_w)))
-        views = [self._modules[key] for key in keys]
-        own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in views]
-        flat = [p for column in own for p in column]
-        made = (keys, views, [view._modules for view in views], own, flat, [p._modules for p in flat])
-        object.__setattr__(self, "_moe_rewrite_made", made)
+        # The views and their projections as made, for _moe_rewrite_own_projections (a plain attribute, not a module)
+        self._moe_rewrite_made = _MoeRewriteMadeViews(self, len(gate_w))
         self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
 
     def __len__(self):
@@ -1342,8 +1422,8 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
 
     def moe_rewrite_weights(self, wrappers=()):
-        """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+        """The _MoeRewriteExpertMLP the grouped-GEMM core reads: the two parameters as weight sources, and the LoRA
+        adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
         parameters (parameter_lora.py); None when the loop must run them."""
         if self._moe_rewrite_own_projections():
             adapters = {}
@@ -1356,18 +1436,14 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
                 for column in projections
                 for p in column
             )
-            adapters = _moe_rewrite_adapters(projections) if intact else False
-        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
-        if fused_adapters is False:
+            adapters = _moe_rewrite_adapters(projections) if intact else None
+        fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not None else None
+        if fused_adapters is None:
             return None
         for name, loras in fused_adapters.items():
             adapters[name] = adapters.get(name, ()) + loras
-        return (
-            _MoeRewriteExpertWeight(self.gate_up_proj),
-            _MoeRewriteExpertWeight(self.down_proj),
-            self.act_fn,
-            adapters,
-        )
+        gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
+        return _MoeRewriteExpertMLP(gate_up, down, self.act_fn, adapters)
 
     def _moe_rewrite_own_projections(self):
         """Whether every expert view is in place and holds the projections it was made with, of their own type and
@@ -1380,15 +1456,30 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         made = self.__dict__.get("_moe_rewrite_made")
         if made is None:
             return False
-        keys, views, view_modules, own, flat, flat_modules = made
-        if list(map(self._modules.get, keys)) != views:
+        if list(map(self._modules.get, made.keys)) != made.views:
             return False
         try:
-            held = list(map(operator.itemgetter(*MOE_REWRITE_PROJECTIONS), view_modules))
+            held = list(map(operator.itemgetter(*MOE_REWRITE_PROJECTIONS), made.view_modules))
         except KeyError:  # a projection deleted
             return False
-        types = [_MoeRewriteExpertProjection] * len(flat)
-        return held == own and list(map(type, flat)) == types and not any(map(len, flat_modules))
+        types = [_MoeRewriteExpertProjection] * len(made.flat)
+        return held == made.own and list(map(type, made.flat)) == types and not any(map(len, made.flat_modules))
+
+
+class _MoeRewriteMadeViews:
+    """Fused experts' views and their projections as made (_moe_rewrite_own_projections compares them with what the
+    module holds now): the views' `keys` and the `views`, their `view_modules` dicts, `own` (each view's gate, up and
+    down projections), `flat` (those projections in one list) and their `flat_modules` dicts."""
+
+    __slots__ = ("keys", "views", "view_modules", "own", "flat", "flat_modules")
+
+    def __init__(self, experts, count):
+        self.keys = tuple(str(i) for i in range(count))
+        self.views = [experts._modules[key] for key in self.keys]
+        self.view_modules = [view._modules for view in self.views]
+        self.own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in self.views]
+        self.flat = [p for column in self.own for p in column]
+        self.flat_modules = [p._modules for p in self.flat]
 
 
 class _MoeRewriteFusedExpert(torch.nn.Module):
@@ -1700,8 +1791,8 @@ def _moe_rewrite_restore_buffers(module):
 # ---- in class _MoeRewriteFusedExperts:
 
 def moe_rewrite_weights(self, wrappers=()):
-    """(gate_up, down, act_fn, adapters) for the grouped-GEMM core: the two parameters as weight sources, and the
-        LoRA adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
+    """The _MoeRewriteExpertMLP the grouped-GEMM core reads: the two parameters as weight sources, and the LoRA
+        adapters on the expert views (expert_linears._moe_rewrite_adapters) and in PEFT's `wrappers` of the
         parameters (parameter_lora.py); None when the loop must run them."""
     if self._moe_rewrite_own_projections():
         adapters = {}
@@ -1714,18 +1805,14 @@ def moe_rewrite_weights(self, wrappers=()):
             for column in projections
             for p in column
         )
-        adapters = _moe_rewrite_adapters(projections) if intact else False
-    fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not False else False
-    if fused_adapters is False:
+        adapters = _moe_rewrite_adapters(projections) if intact else None
+    fused_adapters = _moe_rewrite_parameter_adapters(wrappers) if adapters is not None else None
+    if fused_adapters is None:
         return None
     for name, loras in fused_adapters.items():
         adapters[name] = adapters.get(name, ()) + loras
-    return (
-        _MoeRewriteExpertWeight(self.gate_up_proj),
-        _MoeRewriteExpertWeight(self.down_proj),
-        self.act_fn,
-        adapters,
-    )
+    gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
+    return _MoeRewriteExpertMLP(gate_up, down, self.act_fn, adapters)
 
 # ---- in class DeepseekV3MoE:
 
@@ -1745,7 +1832,7 @@ def moe_train(self, x, topk_ids, topk_weight, out_dtype=None):
     kernel = _moe_rewrite_kernel(x.device, dtype)
     weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
     if weights is not None:
-        experts = weights[0].shape[0]
+        experts = weights.gate_up.shape[0]
         return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, experts, kernel, dtype, out_dtype)
     if isinstance(self.experts, torch.nn.ModuleList):
         y = _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
@@ -1769,7 +1856,7 @@ def moe_rewrite_infer(self, x, topk_ids, topk_weight):
 
 # moe-rewrite: generated method, regenerated on every run
 def moe_rewrite_expert_weights(self):
-    """The experts' weights for the grouped-GEMM core, (gate_up, down, act_fn, adapters), or None: the per-expert
+    """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
         loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
     experts, wrappers = _moe_rewrite_unwrap(self.experts)
     if isinstance(experts, _MoeRewriteFusedExperts):

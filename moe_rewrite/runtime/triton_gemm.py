@@ -1,0 +1,108 @@
+"""A grouped GEMM in Triton (forward and input-gradient products over rows sorted by expert) that runs its tiles
+expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_gemm_by_triton decides). CUDA with
+triton; triton is imported when the kernel is built, never at import.
+"""
+
+# The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
+# V3's sizes on an H200 (bench/NOTES.md, change 26)
+MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
+
+
+def _moe_rewrite_gemm_kernels():
+    """{"grouped_mm": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grouped_mm(
+        a,
+        b,
+        out,
+        offsets,
+        experts,
+        n,
+        k,
+        b_expert_stride,
+        b_n_stride,
+        b_k_stride,
+        EXPERTS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """out[r] = a[r] @ b[e]^T for the rows r of expert e (offsets: the cumulative rows per expert), b[e] read as
+        (n, k) through its strides; a (rows, k) and out (rows, n) contiguous, k a multiple of BK. Program p takes the
+        p-th (BM x BN) tile in the order (expert, column strip, row tile), counted from the offsets here (no host
+        work): an expert's row tiles of one weight strip run side by side and read it from HBM once (bench/NOTES.md,
+        change 26). Programs past the last tile return; rows past the last offset are neither read nor written."""
+        pid = tl.program_id(0)
+        e_all = tl.arange(0, EXPERTS)
+        ends = tl.load(offsets + e_all, mask=e_all < experts, other=0)
+        starts = tl.load(offsets + e_all - 1, mask=(e_all > 0) & (e_all < experts), other=0)
+        row_tiles = (ends - starts + BM - 1) // BM
+        tiles = row_tiles * tl.cdiv(n, BN)
+        last = tl.cumsum(tiles, 0)
+        if pid < tl.sum(tiles, 0):
+            e = tl.sum((last <= pid).to(tl.int32), 0)  # the first expert whose tiles end after p
+            mine = e_all == e
+            local = pid - tl.sum(tl.where(mine, last - tiles, 0), 0)
+            its_row_tiles = tl.sum(tl.where(mine, row_tiles, 0), 0)
+            rows = tl.sum(tl.where(mine, starts, 0), 0) + (local % its_row_tiles) * BM + tl.arange(0, BM)
+            in_rows = rows < tl.sum(tl.where(mine, ends, 0), 0)
+            cols = (local // its_row_tiles) * BN + tl.arange(0, BN)
+            in_cols = cols[None, :] < n
+            ks = tl.arange(0, BK)
+            a_at = a + tl.where(in_rows, rows, 0).to(tl.int64)[:, None] * k + ks[None, :]
+            b_at = b + e.to(tl.int64) * b_expert_stride + cols[None, :] * b_n_stride + ks[:, None] * b_k_stride
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for _ in range(0, k, BK):
+                a_tile = tl.load(a_at, mask=in_rows[:, None], other=0.0)
+                b_tile = tl.load(b_at, mask=in_cols, other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_at += BK
+                b_at += BK * b_k_stride
+            at = out + rows.to(tl.int64)[:, None] * n + cols[None, :]
+            tl.store(at, acc.to(out.dtype.element_ty), mask=in_rows[:, None] & in_cols)
+
+    return {"grouped_mm": grouped_mm}
+
+
+def _moe_rewrite_gemm_fits(n, k):
+    """Whether the grouped GEMM's tile fits a product n wide and k deep: at least one tile wide, whole tiles deep."""
+    _, bn, bk, _, _ = MOE_REWRITE_GEMM_TILE
+    return n >= bn and k % bk == 0
+
+
+def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
+    """grouped_linear.py's _moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
+    for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
+    torch._grouped_mm gives, those past the last offset left unwritten as there."""
+    bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
+    a = a.contiguous()
+    experts = b.shape[0]
+    if mode == "fwd":
+        n, b_n_stride, b_k_stride = b.shape[1], b.stride(1), b.stride(2)
+    else:
+        n, b_n_stride, b_k_stride = b.shape[2], b.stride(2), b.stride(1)
+    out = a.new_empty(a.shape[0], n)
+    tiles = (-(-a.shape[0] // bm) + experts) * -(-n // bn)  # at least every expert's tiles
+    if a.shape[0] and tiles:
+        kernels["grouped_mm"][(tiles,)](
+            a,
+            b,
+            out,
+            offsets,
+            experts,
+            n,
+            a.shape[1],
+            b.stride(0),
+            b_n_stride,
+            b_k_stride,
+            EXPERTS=1 << max(experts - 1, 0).bit_length(),
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            num_warps=warps,
+            num_stages=stages,
+        )
+    return out
