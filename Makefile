@@ -50,10 +50,10 @@ test: venv compat-envs
 	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
-# Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to moe_rewrite/runtime/ or the
-# codemods; review them with git diff.
+# Regenerate the goldens in tests/pairs/ (diffs and section hashes) after an intended change to moe_rewrite/runtime/ or the
+# codemods; the tests that wrote a golden skip ("updated ..."): review them with git diff.
 update-pairs: venv
-	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options"
+	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options or section_hashes"
 
 clean:
 	rm -rf $(VENV) .venv-tf build dist *.egg-info .pytest_cache
