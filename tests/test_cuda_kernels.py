@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import runtime_env  # noqa: E402
-from test_runtime import tiny_moe  # noqa: E402
+from helpers import tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import grouped_gemm  # noqa: E402
 

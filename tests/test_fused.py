@@ -20,7 +20,7 @@ from conftest import (  # noqa: E402
     runtime_env,
     same_bits,
 )
-from test_training import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
+from helpers import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
 
 from moe_rewrite.training import fuse_experts  # noqa: E402
 

@@ -16,8 +16,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from conftest import build_model, patched_checkpoint, per_expert_checkpoint, runtime_env  # noqa: E402
-from test_lora import PROJECTIONS, REL, assert_same_step, grouped_then_looped, no_loop  # noqa: E402
-from test_training import rel_err  # noqa: E402
+from helpers import PROJECTIONS, REL, assert_same_step, grouped_then_looped, no_loop, rel_err  # noqa: E402
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
 PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli, run_ranks  # noqa: E402
-from test_training import moe_layer, rel_err  # noqa: E402
+from helpers import moe_layer, rel_err  # noqa: E402
 
 ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05")  # gradient checkpointing is on by default
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")  # in the test extra: CI has it
 
 from conftest import runtime_env  # noqa: E402
-from test_runtime import reference, routing, tiny_moe  # noqa: E402
+from helpers import reference, routing, tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import grouped_gemm, triton_kernels  # noqa: E402
 
