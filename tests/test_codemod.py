@@ -96,6 +96,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
     return RewriteOptions(**values)
 
 
+@pytest.mark.slow  # a whole stand-in file, rewritten, rewritten again and linted: ~10 s each
 @pytest.mark.parametrize(("fixture", "case"), FIXTURE_CASES, ids=[f"{f}-{c}" for f, c in FIXTURE_CASES])
 def test_fixture_under_options(fixture: str, case: str):
     """What each option changes in a whole file: its diff with the generated code as placeholders, the generated code

@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import FORM_DIRS, ROOT, build_model, per_expert_grads, run_cli  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every release runs every stage in a subprocess of its own
+
 STAGES = ("import", "load", "eval", "generate", "train", "save")
 # The releases `make test` builds environments for, and the one this suite runs in.
 RELEASES = sorted(

@@ -16,6 +16,7 @@ from helpers import tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import grouped_gemm  # noqa: E402
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
