@@ -39,6 +39,7 @@ def routed_adapted(model) -> int:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fused", "per-expert"])
 @pytest.mark.parametrize("form", ["v3", "v2"])
 def test_lora_on_routed_experts_trains_grouped_like_the_loop(tmp_path_factory, monkeypatch, form, layout):
@@ -101,6 +102,7 @@ def test_adapters_the_grouped_gemms_cannot_reproduce_run_through_the_loop(tmp_pa
     assert torch.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_adapters_move_between_layouts_and_onto_the_original_file(tmp_path_factory, tmp_path):
     """PEFT saves the standard per-expert keys (experts.{i}.gate_proj.lora_A.weight); they load onto the default
     output, a --no-fuse-experts output and the file as published, which all compute the same adapted model."""
