@@ -14,7 +14,7 @@ COMPAT_ENVS := $(foreach v,$(COMPAT_RELEASES),.venv-tf/$(v)/.installed)
 LORA_RELEASE := $(lastword $(COMPAT_RELEASES))
 LORA_V5_TESTS := target_modules or per_expert_adapter
 
-.PHONY: demo test venv compat-envs clean update-pairs
+.PHONY: demo test test-fast venv compat-envs clean update-pairs
 
 venv: $(VENV)/.installed
 
@@ -50,10 +50,16 @@ test: venv compat-envs
 	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
-# Regenerate the goldens in tests/pairs/ (diffs and generated blocks) after an intended change to moe_rewrite/runtime/ or the
-# codemods; review them with git diff.
+# The inner loop: ruff, then the tests not marked slow or gpu (pyproject.toml's markers); `make test` runs them all.
+test-fast: venv
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check --no-cache .
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+# Regenerate the goldens in tests/pairs/ (diffs and section hashes) after an intended change to moe_rewrite/runtime/ or the
+# codemods; the tests that wrote a golden skip ("updated ..."): review them with git diff.
 update-pairs: venv
-	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options"
+	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options or section_hashes"
 
 clean:
 	rm -rf $(VENV) .venv-tf build dist *.egg-info .pytest_cache

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import libcst as cst
+import libcst.helpers
 import libcst.matchers as m
 
 from moe_rewrite import __version__
@@ -53,6 +54,10 @@ CORE_SECTIONS = frozenset(
     ["dispatch", "route", "grouped_linear", "expert_output", "backends", "moe_train"]
     + ["triton_block", "triton_route", "triton_gather", "triton_swiglu", "triton_sum_rows", "triton_gemm"]
 )
+# What a section may import at module level, since the import is not copied: the names every file moe-rewrite rewrites
+# binds (`import torch`; the DeepSeek files bind more, the smallest forms it accepts only torch), and the sibling
+# sections (`from .route import ...`), whose code the block holds. Anything else goes inside the function.
+FILE_IMPORTS = ("import torch",)
 OPTIONS_NAME = "_moe_rewrite_options"  # dispatch.py's options dict, filled with the rewrite's options
 PLACEHOLDERS = ("MoE", "Model")
 
@@ -77,6 +82,20 @@ def _is_header(stmt: cst.BaseStatement) -> bool:
     return m.matches(stmt, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom() | m.Expr(m.SimpleString())]))
 
 
+def _check_import(name: str, stmt: cst.SimpleStatementLine, module: cst.Module) -> None:
+    node = stmt.body[0]
+    if isinstance(node, cst.ImportFrom) and node.relative and node.module is not None:
+        sibling = cst.helpers.get_full_name_for_node(node.module)
+        if len(node.relative) == 1 and (RUNTIME_DIR / f"{sibling}.py").exists():
+            return
+    code = module.code_for_node(node)
+    if isinstance(node, (cst.Import, cst.ImportFrom)) and code not in FILE_IMPORTS:
+        raise ValueError(
+            f"runtime/{name}.py: `{code}` would not be in the rewritten file (module-level imports are not copied, "
+            f"and the file is known to have only {', '.join(FILE_IMPORTS)}): import it inside the function using it"
+        )
+
+
 def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
     """A placeholder class's methods, each preceded by one blank line as methods are."""
     return [
@@ -93,6 +112,7 @@ def render_section(name: str, module: cst.Module, options: RewriteOptions | None
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
     for stmt in parsed.body:
         if _is_header(stmt):
+            _check_import(name, cst.ensure_type(stmt, cst.SimpleStatementLine), parsed)
             continue
         if isinstance(stmt, cst.ClassDef) and stmt.name.value in PLACEHOLDERS:
             methods[stmt.name.value] += _methods(stmt)

@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import FORM_DIRS, ROOT, build_model, per_expert_grads, run_cli  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every release runs every stage in a subprocess of its own
+
 STAGES = ("import", "load", "eval", "generate", "train", "save")
 # The releases `make test` builds environments for, and the one this suite runs in.
 RELEASES = sorted(
@@ -178,12 +180,17 @@ def _assert_same_numbers(ours: dict, theirs: dict, stages: dict, atol: float = A
 def test_same_numbers_as_the_file_without_compat(release, form, checkpoints, tmp_path_factory):
     """Where the published file or the --no-compat rewrite runs a stage, the default rewrite gives its numbers."""
     runs = run_release(release, checkpoints, tmp_path_factory)[form]
+    expected = 0  # the eval, generate and train stages each file runs before it fails where the published files fail
+    for variant in ("published", "nocompat"):
+        failure = expected_failure(release, variant, form)
+        ran = STAGES if failure is None else STAGES[: STAGES.index(failure[0])]
+        expected += len({"eval", "generate", "train"}.intersection(ran))
+    if expected == 0:
+        pytest.skip(f"nothing to compare: on transformers {release} both files stop before eval")
     compared = sum(
         _assert_same_numbers(runs["rewritten"], runs[v], runs[v]["stages"]) for v in ("published", "nocompat")
     )
-    minor = ".".join(release.split(".")[:2])
-    if PUBLISHED_FAILS[minor] is None or PUBLISHED_FAILS[minor][0] not in ("import", "load", "eval"):
-        assert compared >= 2  # at least eval on two files
+    assert compared == expected, {v: runs[v]["stages"] for v in ("published", "nocompat")}
 
 
 @pytest.mark.parametrize("form", ["v3", "v2"])

@@ -12,10 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import patch_runtime, runtime_env  # noqa: E402
-from test_runtime import tiny_moe  # noqa: E402
+from helpers import tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import backends, dispatch, triton_swiglu  # noqa: E402
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 

@@ -20,7 +20,7 @@ from conftest import (  # noqa: E402
     runtime_env,
     same_bits,
 )
-from test_training import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
+from helpers import REL, assert_matches_reference, fused_grads, moe_layer, reference_moe, rel_err  # noqa: E402
 
 from moe_rewrite.training import fuse_experts  # noqa: E402
 
@@ -112,6 +112,7 @@ def test_fused_model_evaluates_trains_and_saves_like_the_original(patched, form,
         fresh.load_state_dict(bad)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_into_a_fused_model(tmp_path_factory, tmp_path):
     """transformers' load_sharded_checkpoint (Trainer's resume) loads shard after shard into fused experts."""
     from transformers.modeling_utils import load_sharded_checkpoint
@@ -222,6 +223,7 @@ def _fsdp2_worker(rank, ckpt, out_dir):
     )
 
 
+@pytest.mark.slow
 def test_fused_experts_under_fsdp2_match_one_process(tmp_path_factory, tmp_path):
     ckpt = per_expert_checkpoint(tmp_path_factory, "v3")
     run_ranks(_fsdp2_worker, tmp_path, ckpt)
@@ -306,6 +308,7 @@ def test_fused_loading_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_facto
     assert isinstance(moe.experts, torch.nn.ModuleList)
 
 
+@pytest.mark.slow
 def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_path_factory):
     """A file rewritten with the defaults (fused loading), then with --no-fuse-experts, keeps no override that calls a
     removed helper; fused loading into a file with two model base classes is refused, as it would be ambiguous."""
@@ -336,6 +339,7 @@ def _ddp_worker(rank, ckpt, out_dir):
     torch.save(grads, os.path.join(out_dir, f"ddp{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_fused_experts_under_ddp_get_averaged_gradients(tmp_path_factory, tmp_path):
     ckpt = per_expert_checkpoint(tmp_path_factory, "v3")
     run_ranks(_ddp_worker, tmp_path, ckpt)

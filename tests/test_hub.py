@@ -20,43 +20,24 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, V2_DIR, V3_DIR, assert_one_line_error, snapshot, written_entries
+from conftest import (
+    MODELING,
+    ROOT,
+    V2_DIR,
+    V3_DIR,
+    add_snapshot,
+    assert_one_line_error,
+    cache_state,
+    set_ref,
+    snapshot,
+    written_entries,
+)
 
-MODELING = "modeling_deepseek.py"
 CODE_FILES = ("config.json", "configuration_deepseek.py", MODELING)
 REPO = "deepseek-ai/DeepSeek-V3-standin"
 NO_CODE_REPO = "deepseek-ai/config-only"
 MAIN_COMMIT = hashlib.sha1(b"main").hexdigest()
 V2_COMMIT = hashlib.sha1(b"v2").hexdigest()
-WEIGHT_SIZE = 4 << 30  # a sparse 4 GiB "weight": copying or reading it would show
-
-
-def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def add_snapshot(repo_dir: Path, commit: str, files: dict[str, bytes], weight: bool = True) -> Path:
-    """snapshots/<commit>/<name> -> ../../blobs/<id>, as huggingface_hub stores downloads."""
-    blobs, snap = repo_dir / "blobs", repo_dir / "snapshots" / commit
-    blobs.mkdir(parents=True, exist_ok=True)
-    snap.mkdir(parents=True)
-    entries = {name: (git_blob_id(data), data) for name, data in files.items()}
-    if weight:  # LFS files are stored under their sha256
-        entries["model.safetensors"] = (hashlib.sha256(commit.encode()).hexdigest(), None)
-    for name, (blob_id, data) in entries.items():
-        blob = blobs / blob_id
-        if data is None:
-            with open(blob, "wb") as f:
-                f.truncate(WEIGHT_SIZE)
-        else:
-            blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snap), snap / name)
-    return snap
-
-
-def set_ref(repo_dir: Path, ref: str, commit: str) -> None:
-    (repo_dir / "refs").mkdir(exist_ok=True)
-    (repo_dir / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
 
 
 def repo_dir_of(repo_id: str) -> Path:
@@ -81,21 +62,6 @@ def hub_cache():
     add_snapshot(no_code, MAIN_COMMIT, {"config.json": b'{"model_type": "deepseek_v3"}\n'}, weight=False)
     set_ref(no_code, "main", MAIN_COMMIT)
     return Path(os.environ["HF_HUB_CACHE"])
-
-
-def cache_state(cache: Path) -> dict[str, object]:
-    """Every entry of the cache: links with their targets, small files with their bytes, the weight by size/mtime."""
-    state = {}
-    for p in sorted(cache.rglob("*")):
-        key = str(p.relative_to(cache))
-        if p.is_symlink():
-            state[key] = os.readlink(p)
-        elif p.is_dir():
-            state[key] = "dir"
-        else:
-            st = p.stat()
-            state[key] = (st.st_size, st.st_mtime_ns, p.read_bytes() if st.st_size < WEIGHT_SIZE else None)
-    return state
 
 
 def hub_env() -> dict[str, str]:

@@ -18,19 +18,17 @@ from conftest import (  # noqa: E402
     model_module,
     patched_checkpoint,
     per_expert_checkpoint,
-    runtime_env,
 )
-from test_training import moe_layer, rel_err  # noqa: E402
-
-PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
-REL = 1e-5
-
-
-def lora(model, targets=PROJECTIONS, seed=0, **options):
-    """The model with LoRA adapters on `targets`, their B weights drawn non-zero so that they change the output."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False, **options)
-    return peft.get_peft_model(model, config)
+from helpers import (  # noqa: E402
+    PROJECTIONS,
+    REL,
+    assert_same_step,
+    grouped_then_looped,
+    lora,
+    moe_layer,
+    no_loop,
+    rel_err,
+)
 
 
 def routed_adapted(model) -> int:
@@ -41,42 +39,7 @@ def routed_adapted(model) -> int:
     )
 
 
-def step(model, ids):
-    """One training step's loss and every gradient (LoRA weights, the router's, the embeddings')."""
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same_step(got, want, rel=REL):
-    assert rel_err(got[0], want[0]) < rel
-    assert got[1].keys() == want[1].keys() and any("lora_B" in k for k in got[1])
-    for name, grad in want[1].items():
-        assert rel_err(got[1][name], grad) < rel, name
-
-
-def no_loop(monkeypatch, model):
-    """The per-expert loop fails if it runs: the adapted experts must go through the grouped GEMMs."""
-
-    def loop(*args):
-        raise AssertionError("the per-expert loop ran")
-
-    monkeypatch.setattr(model_module(model), "_moe_rewrite_loop", loop)
-
-
-def grouped_then_looped(monkeypatch, model, adapted, ids, kernel=None):
-    """One step through the grouped GEMMs (the loop fails if it runs; `kernel` forces one), then the same step
-    through the loop, which runs PEFT's own modules expert by expert."""
-    with monkeypatch.context() as patch:
-        no_loop(patch, model)
-        if kernel is not None:
-            patch.setattr(model_module(model), "_moe_rewrite_kernel", lambda device, dtype: kernel)
-        grouped = step(adapted, ids)
-    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
-    return grouped, step(adapted, ids)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fused", "per-expert"])
 @pytest.mark.parametrize("form", ["v3", "v2"])
 def test_lora_on_routed_experts_trains_grouped_like_the_loop(tmp_path_factory, monkeypatch, form, layout):
@@ -139,6 +102,7 @@ def test_adapters_the_grouped_gemms_cannot_reproduce_run_through_the_loop(tmp_pa
     assert torch.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_adapters_move_between_layouts_and_onto_the_original_file(tmp_path_factory, tmp_path):
     """PEFT saves the standard per-expert keys (experts.{i}.gate_proj.lora_A.weight); they load onto the default
     output, a --no-fuse-experts output and the file as published, which all compute the same adapted model."""

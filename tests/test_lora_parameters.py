@@ -16,8 +16,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from conftest import build_model, patched_checkpoint, per_expert_checkpoint, runtime_env  # noqa: E402
-from test_lora import PROJECTIONS, REL, assert_same_step, grouped_then_looped, no_loop  # noqa: E402
-from test_training import rel_err  # noqa: E402
+from helpers import PROJECTIONS, REL, assert_same_step, grouped_then_looped, no_loop, rel_err  # noqa: E402
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
 PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -154,6 +153,7 @@ def test_a_per_expert_adapter_loads_onto_the_default_output(tmp_path_factory, tm
         assert rel_err(loaded(input_ids=ids).logits, expected(input_ids=ids).logits) < REL
 
 
+@pytest.mark.slow
 def test_adapters_on_the_fused_parameters_round_trip_and_refuse_per_expert_modules(tmp_path_factory, tmp_path):
     """An adapter saved from the wrapped parameters reloads onto a default output as the same model; a
     --no-fuse-experts output has no fused parameters to put it on, and loading it there is an error."""

@@ -7,6 +7,8 @@ Public replacements were taken where they exist (nn.Module.register_load_state_d
 from __future__ import annotations
 
 import re
+import tempfile
+import warnings
 
 import pytest
 
@@ -21,6 +23,7 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
     """A new private name in the generated code needs its own test below (and a reason beside it)."""
     code = "\n".join(p.read_text() for p in RUNTIME.glob("*.py"))
     used = set(re.findall(r"(?:torch\._C\.|torch\.|\.)(_[a-z][a-z_]+)\b", code))
+    used |= set(re.findall(r"[\"'](_[a-z][a-z_]+)[\"']", code))  # by name: getattr(m, "_hf_hook", None)
     ours = {name for name in used if name.startswith("_moe_rewrite")}
     tested = {
         "_grouped_mm",
@@ -34,6 +37,9 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         "_buffers",
         "_non_persistent_buffers_set",
         "_from_config",
+        "_is_fsdp_managed_module",
+        "_is_hf_initialized",
+        "_hf_hook",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -145,3 +151,56 @@ def test_accelerate_marks_dispatched_modules_with_hf_hook():
     module = torch.nn.Linear(2, 2)
     hooks.add_hook_to_module(module, hooks.ModelHook())
     assert hasattr(module, "_hf_hook")
+
+
+def test_fsdp_marks_the_modules_it_manages():
+    """fused_experts.py: experts are not fused under FSDP; fully_shard (FSDP2) and FullyShardedDataParallel mark
+    every module they manage `_is_fsdp_managed_module`."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+        try:
+            plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            assert not getattr(plain[0], "_is_fsdp_managed_module", False)
+            sharded = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            fsdp.fully_shard(sharded)
+            wrapped = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            with warnings.catch_warnings():  # world size 1: FSDP switches to NO_SHARD and says so
+                warnings.simplefilter("ignore")
+                fsdp.FullyShardedDataParallel(wrapped, device_id=torch.device("cpu"))
+            assert all(getattr(m, "_is_fsdp_managed_module", False) for m in (*sharded.modules(), *wrapped.modules()))
+        finally:
+            dist.destroy_process_group()
+
+
+def test_transformers_5_marks_the_parameters_it_loaded():
+    """init_guards.py: transformers 5.x marks each parameter it loaded from the checkpoint `_is_hf_initialized`, not
+    those the checkpoint lacks; 4.x marks no parameter (so _init_weights runs there as before)."""
+    transformers = pytest.importorskip("transformers")
+
+    class Config(transformers.PretrainedConfig):
+        model_type = "moe-rewrite-probe-loaded"
+
+    class Saved(transformers.PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.loaded = torch.nn.Linear(2, 2)
+            self.post_init()
+
+    class Loaded(Saved):
+        def __init__(self, config):
+            super().__init__(config)
+            self.missing = torch.nn.Linear(2, 2)
+            self.post_init()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Saved(Config()).save_pretrained(tmp)
+        model = Loaded.from_pretrained(tmp)
+    marked = {name: getattr(p, "_is_hf_initialized", False) for name, p in model.named_parameters()}
+    v5 = int(transformers.__version__.split(".")[0]) >= 5
+    assert marked == {"loaded.weight": v5, "loaded.bias": v5, "missing.weight": False, "missing.bias": False}

@@ -20,9 +20,21 @@ from pathlib import Path
 
 import hfapi_double
 import pytest
-from conftest import ROOT, V3_DIR, assert_one_line_error, model_module, run_cli, same_bits, snapshot, written_entries
+from conftest import (
+    MODELING,
+    ROOT,
+    V3_DIR,
+    add_snapshot,
+    assert_one_line_error,
+    cache_state,
+    model_module,
+    run_cli,
+    same_bits,
+    set_ref,
+    snapshot,
+    written_entries,
+)
 from hfapi_double import TOKEN, RecordingHfApi
-from test_hub import MODELING, add_snapshot, cache_state, set_ref
 
 from moe_rewrite import RewriteOptions, __version__, rewrite_source
 

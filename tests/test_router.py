@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import PAIRS, build_model, model_module, patched_checkpoint, run_cli, run_ranks  # noqa: E402
-from test_training import moe_layer, rel_err  # noqa: E402
+from helpers import moe_layer, rel_err  # noqa: E402
 
 ALL_OPTIONS = ("--aux-loss", "--bias-update", "0.05")  # gradient checkpointing is on by default
 
@@ -135,6 +135,7 @@ def test_register_bias_update_runs_after_each_optimizer_step(tmp_path_factory):
     handle.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_callback", [True, False])
 def test_bias_update_callback_in_a_trainer(tmp_path_factory, tmp_path, with_callback):
     """transformers' Trainer with BiasUpdateCallback: after 3 optimizer steps every bias entry moved by a whole number
@@ -182,6 +183,7 @@ def _rank_worker(rank, ckpt, out_dir):
     torch.save(moe.gate.e_score_correction_bias.detach().clone(), os.path.join(out_dir, f"bias{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_two_ranks_apply_identical_updates_from_summed_loads(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3", "--bias-update", "0.01")
     run_ranks(_rank_worker, tmp_path, ckpt)
@@ -240,6 +242,7 @@ def test_router_options_are_refused_for_the_v2_form(tmp_path):
         assert code == 2 and "positive" in err, rate
 
 
+@pytest.mark.slow
 def test_options_regenerate_and_revert(tmp_path_factory):
     out = patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS, "--no-fuse-experts")
     patched = (out / "modeling_deepseek.py").read_text()
@@ -293,6 +296,7 @@ def _fsdp2_worker(rank, ckpt, out_dir):
     torch.save({"load": load, "bias": bias}, os.path.join(out_dir, f"fsdp{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_bias_update_under_fsdp2_updates_the_sharded_bias_identically(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3", "--bias-update", "0.01")
     run_ranks(_fsdp2_worker, tmp_path, ckpt)

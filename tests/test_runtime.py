@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import forget_runtime_settings, runtime_env  # noqa: E402
+from helpers import Expert, reference, routing, tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import (  # noqa: E402
     backends,
@@ -20,54 +21,10 @@ from moe_rewrite.runtime import (  # noqa: E402
     fused_experts,
     grouped_linear,
     moe_train,
-    parameter_lora,
-    per_expert,
     route,
 )
 
 ACT = torch.nn.functional.silu
-
-
-class Expert(torch.nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-        self.act_fn = ACT
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def tiny_moe(layout, experts=6, hidden=8, inter=5):
-    """A MoE layer made of the runtime's own MoE-class methods: moe_train (the core) and the seam of `layout`."""
-    seam = per_expert.MoE if layout == "per_expert" else fused_experts.MoE
-
-    class TinyMoE(moe_train.MoE, parameter_lora.MoE, seam, torch.nn.Module):
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.ep_size = 1
-            self.experts = torch.nn.ModuleList(Expert(hidden, inter) for _ in range(experts))
-
-    moe = TinyMoE().double()
-    if layout == "fused":
-        moe.moe_rewrite_fuse_experts()
-    return moe
-
-
-def reference(experts, x, ids, w):
-    """Token by token, expert by expert: sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            out[t] = out[t] + w[t, j] * experts[int(ids[t, j])](x[t : t + 1])[0]
-    return out
-
-
-def routing(tokens, experts, k):
-    ids = torch.stack([torch.randperm(experts - 2)[:k] for _ in range(tokens)])  # the last two experts get nothing
-    return ids, torch.rand(tokens, k, dtype=torch.float64)
 
 
 def expert_params(moe):

@@ -12,78 +12,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import FORM_DIRS, build_model, model_module, per_expert_checkpoint, runtime_env  # noqa: E402
-
-REL = 1e-5
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def moe_layer(model):
-    layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
-    assert layers, "no rewritten MoE layer in the model"
-    return layers[0]
-
-
-def reference_moe(moe, x, topk_ids=None, topk_weight=None):
-    """The MoE layer computed token by token, expert by expert, in float64 from a copy of its parameters.
-
-    Returns (output, the float64 copy, x64, aux loss or None) so gradients can be taken on the copy.
-    """
-    ref = copy.deepcopy(moe).double()
-    x64 = x.detach().double().requires_grad_(True)
-    flat = x64.reshape(-1, x64.shape[-1])
-    aux = None
-    if topk_ids is None:
-        routed = ref.gate(x64)
-        topk_ids, topk_weight = routed[0], routed[1]
-        aux = routed[2] if len(routed) == 3 else None
-    topk_weight = topk_weight.double()
-    rows = []
-    for t in range(flat.shape[0]):
-        acc = torch.zeros_like(flat[t])
-        for j in range(topk_ids.shape[1]):
-            e = ref.experts[int(topk_ids[t, j])]
-            h = e.act_fn(flat[t] @ e.gate_proj.weight.t()) * (flat[t] @ e.up_proj.weight.t())
-            acc = acc + topk_weight[t, j] * (h @ e.down_proj.weight.t())
-        rows.append(acc)
-    out = torch.stack(rows).view_as(x64)
-    if ref.config.n_shared_experts is not None:
-        out = out + ref.shared_experts(x64)
-    return out, ref, x64, aux
-
-
-def expert_params(moe):
-    named = {"gate.weight": moe.gate.weight}
-    for i, e in enumerate(moe.experts):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            named[f"experts.{i}.{proj}.weight"] = getattr(e, proj).weight
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        named[f"shared_experts.{proj}.weight"] = getattr(moe.shared_experts, proj).weight
-    return named
-
-
-def assert_matches_reference(y, x, reference, grads_of) -> None:
-    """Output y of the layer for x, then its gradients after backward through a random probe, against
-    reference = reference_moe(...); grads_of() maps every name of expert_params() to the layer's gradient."""
-    ref_y, ref, x64, aux = reference
-    assert rel_err(y, ref_y) < REL
-    probe = torch.randn_like(y)
-    (y * probe).sum().backward()
-    ref_loss = (ref_y * probe.double()).sum()
-    if aux is not None:  # V2: AddAuxiliaryLoss feeds a gradient of 1 to the aux loss
-        ref_loss = ref_loss + aux
-    ref_loss.backward()
-    assert rel_err(x.grad, x64.grad) < REL
-    grads = grads_of()
-    for name, r in expert_params(ref).items():
-        assert not torch.isnan(grads[name]).any(), name
-        if r.grad is None:  # an expert with no tokens: zero gradient, like the loop's
-            assert torch.count_nonzero(grads[name]) == 0, name
-        else:
-            assert rel_err(grads[name], r.grad) < REL, name
+from helpers import (  # noqa: E402
+    REL,
+    assert_matches_reference,
+    expert_params,
+    fused_grads,
+    moe_layer,
+    reference_moe,
+    rel_err,
+)
 
 
 def test_patched_checkpoint_loads_original_weights_strictly_and_eval_is_unchanged(patched, form):
@@ -387,18 +324,6 @@ def test_one_wrapped_expert_sends_the_layer_through_the_loop(tmp_path_factory):
         [sum(w[t, j] * moe.experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(2)) for t in range(5)]
     )
     assert rel_err(moe.moe_train(x, ids, w), expected) < REL
-
-
-def fused_grads(moe) -> dict:
-    """Fused experts' gradients under the per-expert names of expert_params()."""
-    experts = moe.experts
-    inter = experts.down_proj.shape[2]
-    grads = {}
-    for i in range(len(experts)):
-        grads[f"experts.{i}.gate_proj.weight"] = experts.gate_up_proj.grad[i, :inter]
-        grads[f"experts.{i}.up_proj.weight"] = experts.gate_up_proj.grad[i, inter:]
-        grads[f"experts.{i}.down_proj.weight"] = experts.down_proj.grad[i]
-    return grads
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.8")

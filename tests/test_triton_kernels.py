@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")  # in the test extra: CI has it
 
 from conftest import patch_runtime, runtime_env  # noqa: E402
-from test_runtime import reference, routing, tiny_moe  # noqa: E402
+from helpers import reference, routing, tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import (  # noqa: E402
     dispatch,
@@ -151,6 +151,7 @@ def test_gather_rows_gives_index_select_of_the_padded_tokens(kernels, tokens, to
         assert torch.equal(out, rows) and row_weight.dtype == weight_dtype and torch.equal(row_weight, want_weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tokens,experts,top_k,skew",
     [(1, 6, 2, False), (0, 4, 2, False), (37, 8, 3, True), (50, 64, 6, False), (29, 256, 8, True)]
@@ -475,6 +476,7 @@ def test_the_route_is_padded_only_where_the_gemm_would_take_its_small_tile():
         assert rows + route._moe_rewrite_padding(rows, rows // 128 if rows == 256 * 128 else 8) == padded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "adapted,rank,x_kernels,act",
     [
