@@ -3,12 +3,17 @@ being rewritten is never imported or executed."""
 
 from __future__ import annotations
 
+import ast
+import io
 import sys
+import tokenize
+import warnings
 from dataclasses import dataclass
 
 import libcst as cst
 
 from moe_rewrite.codemods import (
+    MARK,
     Codemod,
     Context,
     Field,
@@ -50,8 +55,8 @@ check_order(CODEMODS, RESULT_READS)
 
 @dataclass(frozen=True)
 class RewriteResult:
-    text: str
-    changed: bool
+    text: str  # the input itself when it is up to date (see rewrite_source)
+    changed: bool  # text != the input
     form: str  # "v3" or "v2"
     moe_class: str
     gate_class: str
@@ -62,7 +67,11 @@ class RewriteResult:
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
     """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot, InternalError when
     moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits: a UTF-8 byte-order mark and
-    the file's last line break stay as they were."""
+    the file's last line break stay as they were.
+
+    A file that holds this rewrite already, reformatted since (black, `ruff format`), is up to date: `changed` is
+    False and `text` is the input, so that --check, --in-place and the pre-commit hooks agree with a formatter
+    (`up_to_date`)."""
     options = options or RewriteOptions()
     bom = "\ufeff" if text.startswith("\ufeff") else ""
     body = text[len(bom) :]
@@ -72,6 +81,8 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         sys.setrecursionlimit(max(limit, DEEP_RECURSION))
     try:
         new_body, context = _rewrite(body, options)
+        if new_body != body and up_to_date(body, new_body):
+            new_body = body
     except RecursionError:
         raise RewriteError("an expression is nested too deeply for moe-rewrite's parser") from None
     except (RewriteError, InternalError):
@@ -93,6 +104,33 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
     )
+
+
+def up_to_date(text: str, rewritten: str) -> bool:
+    """Whether `text` differs from its rewrite `rewritten` in formatting only: the same syntax tree, docstrings compared
+    as black compares them (a formatter re-indents them), and the same moe-rewrite markers in the same order (the
+    banner names the version and options; a later run finds the generated code by them)."""
+    return _markers(text) == _markers(rewritten) and _code(text) == _code(rewritten)
+
+
+def _code(text: str) -> str:
+    """The syntax tree, each docstring with its lines stripped (black's own equivalence check does the same)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escapes, as in _check_syntax
+        tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            doc = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(doc, ast.Constant) and isinstance(doc.value, str):
+                doc.value = "\n".join(line.strip() for line in doc.value.splitlines()).strip()
+    return ast.dump(tree)
+
+
+def _markers(text: str) -> list[str]:
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    comments = (token.string.strip() for token in tokens if token.type == tokenize.COMMENT)
+    return [comment for comment in comments if comment.startswith((MARK, block.BANNER))]
 
 
 def _check_syntax(text: str) -> None:

@@ -329,6 +329,72 @@ def test_diff(tmp_path):
     assert run_cli(path, "--diff") == (0, "", "1 file would be left unchanged\n")
 
 
+# ----------------------------------------------------------------------------------------------- and a formatter
+
+RUFF = Path(sys.executable).with_name("ruff")
+
+
+def ruff_format(path: Path) -> None:
+    """`ruff format` with its defaults (88 columns), as a repository that formats its code runs it."""
+    if not RUFF.exists():
+        pytest.skip(f"no ruff beside {sys.executable} (the test extra installs it)")
+    command = [str(RUFF), "format", "--isolated", "--no-cache", str(path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def formatted_rewrite(tmp_path: Path) -> Path:
+    """A file rewritten with the default options, then reformatted."""
+    path = copy_modeling(tmp_path, source=SMALL_V3)
+    assert run_cli(path, "--in-place")[0] == 1
+    rewritten = path.read_text()
+    ruff_format(path)
+    assert path.read_text() != rewritten
+    return path
+
+
+def test_a_formatted_rewrite_is_up_to_date(tmp_path):
+    path = formatted_rewrite(tmp_path)
+    formatted = path.read_bytes()
+
+    assert run_cli(path, "--check") == (0, "", "1 file would be left unchanged\n")
+    assert run_cli(path, "--diff") == (0, "", "1 file would be left unchanged\n")
+    assert run_cli(path, "--in-place") == (0, "", "1 file left unchanged\n")
+    assert path.read_bytes() == formatted
+
+
+def test_a_formatted_rewrite_with_an_edit_or_without_its_banner_is_rewritten(tmp_path):
+    path = formatted_rewrite(tmp_path)
+    formatted = path.read_text()
+    edited = formatted.replace("other=0.0", "other=1.0", 1)  # a number in the generated Triton code
+    assert edited != formatted
+    path.write_text(edited)
+
+    assert run_cli(path, "--check")[0] == 1
+    assert run_cli(path, "--in-place")[0] == 1
+    assert "other=1.0" not in path.read_text()
+    assert run_cli(path, "--check")[0] == 0
+
+    banner = re.search(r"^# ---- moe-rewrite .*\n", formatted, re.M).group()
+    path.write_text(formatted.replace(banner, ""))  # the same code, but a later run could not find the block
+
+    assert run_cli(path, "--check")[0] == 1
+
+
+def test_a_formatted_rewrite_under_other_options_is_regenerated_and_converges(tmp_path):
+    path = formatted_rewrite(tmp_path)
+
+    assert run_cli(path, "--check", "--stacking", "sequential")[0] == 1
+    code, _, err = run_cli(path, "--in-place", "--stacking", "sequential")
+
+    assert code == 1, err
+    text = path.read_text()
+    assert text.count("# ---- moe-rewrite") == text.count('"stacking": "sequential"') == 1
+    assert text.count("def moe_train(") == 1
+    ruff_format(path)
+    assert run_cli(path, "--in-place", "--stacking", "sequential") == (0, "", "1 file left unchanged\n")
+
+
 # ----------------------------------------------------------------------------------------------------------- errors
 
 
