@@ -1,7 +1,8 @@
 """The pre-commit hooks (.pre-commit-hooks.yaml) run by the real `pre-commit` tool on a throwaway repository.
 
 pre-commit builds the hooks' environment by pip-installing this project and its dependencies (from PyPI): that needs
-the network, once per module. Without it the tests fail, they do not skip.
+the network, once per module. Without it the tests fail, they do not skip. README's snippet (`repo: local`,
+`language: system`) runs the installed command instead, with no environment to build.
 """
 
 from __future__ import annotations
@@ -92,15 +93,18 @@ def hook_repo(tmp_path_factory, env) -> tuple[Path, str]:
     return repo, _commit_all(repo, env)
 
 
-def make_consumer(path: Path, env: dict[str, str], hook_repo: tuple[Path, str]) -> Path:
-    """A training framework's repository: vendored modeling files, a look-alike, unrelated code, the hook config."""
+def make_consumer(path: Path, env: dict[str, str], hook_repo: tuple[Path, str] | None, config: str = "") -> Path:
+    """A training framework's repository: vendored modeling files, a look-alike, unrelated code, the hook config
+    (CONFIG with `hook_repo`, else `config`)."""
     files = {
         VENDORED: (V3_DIR / MODELING).read_bytes(),
         AT_ROOT: (V2_DIR / MODELING).read_bytes(),
         DENSE: DENSE_TEXT.encode(),
         LOOKALIKE: (V3_DIR / MODELING).read_bytes(),
         UNRELATED: UNRELATED_TEXT.encode(),
-        ".pre-commit-config.yaml": CONFIG.format(repo=hook_repo[0], rev=hook_repo[1]).encode(),
+        ".pre-commit-config.yaml": (
+            config if hook_repo is None else CONFIG.format(repo=hook_repo[0], rev=hook_repo[1])
+        ).encode(),
     }
     for name, data in files.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -206,19 +210,70 @@ def readme_snippet() -> str:
     return section[section.index("```yaml\n") + len("```yaml\n") : section.index("```\n", section.index("```yaml"))]
 
 
-def test_the_readme_snippet_works_as_written(tmp_path, env, installed):
-    """README's config with only its two placeholders filled in (the repository and a commit of it): both hooks run."""
+def installed_command(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """`env` with a `moe-rewrite` command on PATH that runs this working tree's code, as `pip install .` in a clone
+    would give (the README's hooks are `language: system`: they run whatever `moe-rewrite` the PATH finds)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    command = bin_dir / "moe-rewrite"
+    command.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m moe_rewrite "$@"\n')
+    command.chmod(0o755)
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+
+
+def readme_consumer(tmp_path: Path, env: dict[str, str], extra: str = "") -> Path:
+    """A consumer repository whose .pre-commit-config.yaml is README's, as written, plus `extra` repos."""
     snippet = readme_snippet()
-    assert "<org>" in snippet and "<tag-or-commit>" in snippet
-    repo, rev = installed
-    config = snippet.replace("https://github.com/<org>/moe-rewrite", str(repo)).replace("<tag-or-commit>", rev)
-    consumer = make_consumer(tmp_path, env, installed)
-    (consumer / ".pre-commit-config.yaml").write_text(config)
-    _git(consumer, env, "commit", "-q", "-am", "README's hook config")
+    assert "<" not in snippet, "a placeholder in README's pre-commit snippet"
+    consumer = tmp_path / "consumer"
+    consumer.mkdir()
+    return make_consumer(consumer, env, None, snippet + extra)
+
+
+def test_the_readme_snippet_works_as_written(tmp_path, env):
+    """README's config, copied as it is, with moe-rewrite installed: both hooks run, and then pass."""
+    env = installed_command(tmp_path, env)
+    consumer = readme_consumer(tmp_path, env)
     check = pre_commit(consumer, env, "run", "moe-rewrite-check", "--all-files")
     assert check.returncode == 1 and f"--- a/{VENDORED}" in check.stdout + check.stderr
     rewrite = pre_commit(consumer, env, "run", "moe-rewrite", "--all-files")
     assert rewrite.returncode == 1 and f"Rewriting {VENDORED} (V3 form" in rewrite.stdout + rewrite.stderr
-    # (that both hooks then pass is test_rewrite_hook_rewrites_fails_then_passes's, with the same hook environment)
     options = RewriteOptions(backend="auto")
     assert (consumer / VENDORED).read_text() == rewrite_source((V3_DIR / MODELING).read_text(), options).text
+    again = pre_commit(consumer, env, "run", "--all-files")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+RUFF_HOOK = """\
+  - repo: local
+    hooks:
+      - id: ruff-format
+        name: ruff format
+        entry: {ruff} format --isolated --no-cache
+        language: system
+        types: [python]
+"""
+
+
+def test_the_readme_hooks_and_a_formatter_settle(tmp_path, env):
+    """README's hooks then `ruff format` on the same files: the first commit attempt rewrites and reformats, the next
+    passes and changes nothing (a formatted rewrite is up to date)."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip(f"no ruff beside {sys.executable} (the test extra installs it)")
+    env = installed_command(tmp_path, env)
+    consumer = readme_consumer(tmp_path, env, RUFF_HOOK.format(ruff=ruff))
+
+    first = pre_commit(consumer, env, "run", "--all-files")
+
+    output = first.stdout + first.stderr
+    assert first.returncode == 1, output
+    assert f"Rewriting {VENDORED} (V3 form" in output and f"Rewriting {AT_ROOT} (V2 form" in output
+    formatted = files(consumer)
+    assert formatted[VENDORED] != rewrite_source((V3_DIR / MODELING).read_text(), RewriteOptions()).text.encode()
+
+    second = pre_commit(consumer, env, "run", "--all-files")
+
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Rewriting" not in second.stdout + second.stderr
+    assert files(consumer) == formatted
