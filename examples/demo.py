@@ -29,6 +29,20 @@ def say(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
+def build_original() -> torch.nn.Module:
+    """The stand-in model as its original code builds it, with seeded random weights. Like the published V3 file, that
+    code creates the router's e_score_correction_bias with torch.empty and nothing initialises it (checkpoints fill
+    it): zero it, as a fresh checkpoint has it and as the rewritten file's _init_weights does, or the routing and the
+    losses below change from run to run."""
+    config = AutoConfig.from_pretrained(FIXTURE, trust_remote_code=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    for module in model.modules():
+        if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+            torch.nn.init.zeros_(module.e_score_correction_bias)
+    return model
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with the CLI's stderr
     logging.set_verbosity_error()
@@ -38,9 +52,8 @@ def main() -> None:
     os.environ.setdefault("HF_MODULES_CACHE", str(work / "hf_modules"))
 
     say(f"1. a DeepSeek-V3-form checkpoint written by the original code: {original_dir}")
-    config = AutoConfig.from_pretrained(FIXTURE, trust_remote_code=True)
-    torch.manual_seed(0)
-    original = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    original = build_original()
+    config = original.config
     original.register_for_auto_class("AutoModelForCausalLM")
     original.save_pretrained(original_dir)
     print("   files:", ", ".join(sorted(p.name for p in original_dir.iterdir())))

@@ -1,9 +1,10 @@
 """examples/finetune.py, as a user runs it, on the V3-form stand-in at its tiny size: LoRA with the Trainer, and full
 fine-tuning in a plain loop with gradient checkpointing and the bias update; each saves, reloads and must reload the
-model it trained."""
+model it trained. And examples/demo.py's checkpoint, the same on every run."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -63,3 +64,32 @@ def test_full_fine_tuning_in_a_loop_with_checkpointing_and_the_bias_update(tmp_p
     assert not torch.equal(
         after["model.layers.1.mlp.experts.0.down_proj.weight"], before["model.layers.1.mlp.experts.0.down_proj.weight"]
     )
+
+
+def test_the_demo_checkpoint_is_the_same_whatever_memory_torch_empty_returns(monkeypatch):
+    """`make demo` builds its checkpoint with the original stand-in code, whose router bias comes from torch.empty
+    (as in the published V3 file): built over NaN-filled memory and over memory holding 1e30, every tensor it saves
+    is finite and the same, the bias zero; so its losses do not change from run to run."""
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    empty = torch.empty
+
+    def built_over(value: float) -> dict:
+        def filled(*args, **kwargs):
+            tensor = empty(*args, **kwargs)
+            return tensor.fill_(value) if tensor.is_floating_point() else tensor
+
+        monkeypatch.setattr(torch, "empty", filled)
+        try:
+            return demo.build_original().state_dict()
+        finally:
+            monkeypatch.setattr(torch, "empty", empty)
+
+    nan, huge = built_over(float("nan")), built_over(1e30)
+
+    assert nan.keys() == huge.keys()
+    for name, tensor in nan.items():
+        assert bool(torch.isfinite(tensor).all()) and torch.equal(tensor, huge[name]), name
+    bias = nan["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(bias, torch.zeros_like(bias))
