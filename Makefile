@@ -1,4 +1,5 @@
-# Quick start: `make demo`, then `make test`. Both create the virtualenv $(VENV) and install into it.
+# Quick start: `make demo`, then `make test`. Both create the virtualenv $(VENV) and install into it: the demo what it
+# needs, the tests their extra on top.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -14,21 +15,28 @@ COMPAT_ENVS := $(foreach v,$(COMPAT_RELEASES),.venv-tf/$(v)/.installed)
 LORA_RELEASE := $(lastword $(COMPAT_RELEASES))
 LORA_V5_TESTS := target_modules or per_expert_adapter
 
-.PHONY: demo test test-fast venv compat-envs clean update-pairs
+.PHONY: demo test test-fast venv demo-venv compat-envs clean update-pairs
 
 venv: $(VENV)/.installed
+demo-venv: $(VENV)/.demo-installed
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs (torch, then moe-rewrite with the demo extra); the tests add the test extra below.
+$(VENV)/.demo-installed: pyproject.toml
 	@echo "==> creating the virtualenv $(VENV)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> installing $(TORCH) (CPU build; the largest download)"
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on "$(TORCH)"
-	@echo "==> installing moe-rewrite and its test dependencies"
+	@echo "==> installing moe-rewrite, transformers and triton (the demo extra)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
+	@echo "==> installing the test dependencies (the test extra: pytest, ruff, peft, accelerate, pre-commit)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
 	touch $@
 
-demo: venv
+demo: demo-venv
 	@echo "==> running examples/demo.py"
 	$(PY) examples/demo.py
 
