@@ -17,13 +17,16 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from moe_rewrite import __version__, publish, sources
 from moe_rewrite.errors import InternalError, NotMoeFileError, RewriteError
-from moe_rewrite.render import ordered
-from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
+from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
+
+if TYPE_CHECKING:
+    from moe_rewrite.rewrite import RewriteResult
 
 NOT_MOE = "not a DeepSeek-family MoE file"
 
@@ -48,6 +51,12 @@ class Reporter:
     def detail(self, message: str) -> None:
         if self.verbosity > 0:
             click.echo(message, err=True)
+
+    def sections(self, result: RewriteResult) -> None:
+        """-v: the runtime sections the generated code holds, in reading order."""
+        from moe_rewrite.render import ordered
+
+        self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def summary(self, would: bool) -> None:
         """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""
@@ -316,6 +325,8 @@ def _rewrite(
     src: sources.Source, options: RewriteOptions, skip_unrecognised: bool, report: Reporter
 ) -> RewriteResult | None:
     """The rewrite of one source; None for a file that is not a MoE file at all, with --skip-unrecognised."""
+    from moe_rewrite.rewrite import rewrite_source  # libcst: a second to import, which `env` and --help skip
+
     text = src.read()  # its errors name the file already
     try:
         result = rewrite_source(text, options)
@@ -369,7 +380,7 @@ def _rewrite_file(
             click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
-    report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
+    report.sections(result)
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()
@@ -415,12 +426,9 @@ def _one_line(message: str, tokens: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["env"] and not Path("env").exists():  # `moe-rewrite env`; a path named env needs ./env
-        from moe_rewrite.env import report
-
-        click.echo("\n".join(report()))
-        return 0
     try:
+        if args[:1] == ["env"]:  # the subcommand, as git's: a path named env is written ./env
+            return _env(args[1:])
         return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:
         return _error(str(e), _secrets(args))
@@ -433,6 +441,22 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)
         return 1
+
+
+def _env(args: list[str]) -> int:
+    """`moe-rewrite env`: its lines as they come (the versions at once, the kernel once torch has loaded)."""
+    if args in (["-h"], ["--help"]):
+        click.echo(
+            "Usage: moe-rewrite env\n\n  Print the installed versions and the kernel the generated code picks here."
+        )
+        return 0
+    if args:
+        raise RewriteError(f"env takes no arguments (a SOURCE named env is written ./env): {' '.join(args)}")
+    from moe_rewrite.env import report
+
+    for line in report():
+        click.echo(line)
+    return 0
 
 
 def run() -> None:

@@ -768,11 +768,38 @@ def test_env_names_the_versions_the_support_range_and_the_kernel(monkeypatch):
     assert f"torch: {importlib.metadata.version('torch')}" in lines
     assert f"transformers: {transformers.__version__}: in the tested range (4.46 to 5.24)" in lines
     assert "grouped_gemm: not installed" in lines
-    cpu = "kernel on cpu (bf16, backend auto): sorted: the portable pass over experts' row slices"
+    cpu = "kernel on cpu (bf16, backend auto): sorted: rows sorted by expert, one matmul per expert's slice"
     assert f"{cpu} (activations on the CPU)" in lines
+    assert "portable" not in stdout  # the kernel's one name is "sorted"
     assert "older than the tested releases" in transformers_support("4.40.2")
     assert "newer than the tested releases" in transformers_support("6.0.0")
     monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
     assert (
         "kernel on cpu (bf16, backend loop): loop: MOE_REWRITE_BACKEND=loop (the per-expert loop)" in run_cli("env")[1]
     )
+
+
+def test_env_is_a_subcommand_even_where_a_directory_is_named_env(tmp_path, monkeypatch):
+    """A virtualenv named env/ in the current directory: `moe-rewrite env` still reports; that directory as a SOURCE
+    is written ./env."""
+    (tmp_path / "env").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = run_cli("env")
+    assert code == 0 and err == "" and stdout.startswith("moe-rewrite ") and "\ntorch: " in stdout
+    assert_one_line_error(run_cli("env", "--check"), "env takes no arguments", "./env")
+    assert_one_line_error(run_cli("./env", "--check"), "env", MODELING)  # the directory, as a SOURCE
+    code, stdout, err = run_cli("env", "--help")
+    assert code == 0 and stdout.startswith("Usage: moe-rewrite env") and err == ""
+    assert list(tmp_path.iterdir()) == [tmp_path / "env"]
+
+
+def test_env_prints_the_versions_before_importing_torch_or_libcst():
+    """The versions come from package metadata: printed at once (0.2 s), before torch (seconds) loads for the kernel
+    lines; libcst (1 s) is never imported."""
+    probe = (
+        "import sys; from moe_rewrite.env import PACKAGES, report; lines = report(); "
+        "[next(lines) for _ in range(1 + len(PACKAGES))]; print(sorted({'torch', 'libcst'} & set(sys.modules)))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "[]\n", proc.stderr
