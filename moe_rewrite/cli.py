@@ -129,11 +129,11 @@ def _publish(
     uploaded = checkpoint.code_and_config()
     url = publish.push_to_hub(push, uploaded) if push is not None else None
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
-    target = f" -> {written[0]}" if written else ""
+    target = f" -> {sources.shown(written[0])}" if written else ""
     report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
     if out is not None:
         copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
-        report.info(f"  {out}: {copied} copied, {linked} linked")
+        report.info(f"  {sources.shown(out)}: {copied} copied, {linked} linked")
     if publish.changed_config(src, checkpoint) is not None:
         report.info("  config.json: auto_map now takes the code from the patched files beside it")
     if push is not None:
@@ -149,7 +149,7 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", metavar="SOURCE...", nargs=-1, required=True)
-@click.option("--out", type=click.Path(path_type=Path), help="Write the patched checkpoint (code, config, links) here.")
+@click.option("--out", type=click.Path(), help="Write the patched checkpoint (code, config, links) here.")
 @click.option("--in-place", is_flag=True, help="Rewrite the file where it is; exit 1 when it changed.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 when something would change.")
 @click.option("--diff", is_flag=True, help="Print a unified diff; write nothing; exit 1 when something would change.")
@@ -255,6 +255,9 @@ def command(
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
     `moe-rewrite env` prints the installed versions and the kernel the generated code picks on this machine.
     """
+    if out == "":  # an unset $OUTDIR: Path("") is the current directory
+        raise RewriteError("--out: empty path (an unset variable?); name the output directory")
+    out = None if out is None else Path(out)
     _check_modes(specs, out, in_place, check, diff, push_to_hub)
     if quiet and verbose:
         raise RewriteError("-q/--quiet and -v/--verbose exclude each other")
@@ -312,7 +315,9 @@ def command(
         except (RewriteError, OSError) as e:
             if len(specs) == 1:
                 raise  # one line, no summary
-            message = str(e) if isinstance(e, RewriteError) else f"{e.filename or spec}: {e.strerror or e}"
+            message = (
+                str(e) if isinstance(e, RewriteError) else f"{sources.shown(e.filename or spec)}: {e.strerror or e}"
+            )
             _error(message, [token] if token else [])
             outcome = "failed"
         report.counts[outcome] += 1
@@ -364,6 +369,11 @@ def _rewrite_file(
     """--in-place, --check or --diff for one SOURCE: "rewritten" when it changed (or would), "unchanged" or
     "skipped"."""
     src = sources.resolve(spec, revision, token)
+    if in_place and src.kind == "dir" and not src.modeling_file.resolve().is_relative_to(src.root.resolve()):
+        raise RewriteError(
+            f"{src.name}: a link to {sources.shown(src.modeling_file.resolve())}, outside the checkpoint; --in-place "
+            "rewrites files inside it only (rewrite that file itself, or use --out DIR)"
+        )
     result = _rewrite(src, options, skip_unrecognised, report)
     if result is None:
         return "skipped"
@@ -385,9 +395,9 @@ def _rewrite_file(
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()
         if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
-            raise RewriteError(f"{path}: cannot be rewritten in place (not writable)")
+            raise RewriteError(f"{src.name}: cannot be rewritten in place (not writable)")
         publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
-        report.info(f"Rewriting {path} ({_describe(result, options)})")
+        report.info(f"Rewriting {src.name} ({_describe(result, options)})")
     return "rewritten"
 
 
@@ -437,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         return _error(e.format_message(), _secrets(args))
     except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)
-        return _error(f"{e.filename or ''}: {e.strerror or e}; nothing was written", _secrets(args))
+        return _error(f"{sources.shown(e.filename or '')}: {e.strerror or e}; nothing was written", _secrets(args))
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)
         return 1
@@ -451,7 +461,9 @@ def _env(args: list[str]) -> int:
         )
         return 0
     if args:
-        raise RewriteError(f"env takes no arguments (a SOURCE named env is written ./env): {' '.join(args)}")
+        raise RewriteError(
+            f"env takes no arguments (a SOURCE named env is written ./env): {sources.shown(' '.join(args))}"
+        )
     from moe_rewrite.env import report
 
     for line in report():
