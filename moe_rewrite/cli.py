@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from moe_rewrite.rewrite import RewriteResult
 
 NOT_MOE = "not a DeepSeek-family MoE file"
+# Linked files that are a model's weights: without one, --out says the output has none.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def plural(count: int, noun: str) -> str:
@@ -51,6 +55,20 @@ class Reporter:
     def detail(self, message: str) -> None:
         if self.verbosity > 0:
             click.echo(message, err=True)
+
+    @contextmanager
+    def progress(self, name: str):
+        """On a terminal, "Rewriting NAME ..." while libcst works (10-20 s for a real file), erased before anything
+        else is printed: what the run prints, and the one error line, stay as they are."""
+        shown = self.verbosity >= 0 and sys.stderr.isatty()
+        if shown:
+            width = shutil.get_terminal_size().columns - 1  # one screen line, so that \r erases all of it
+            click.echo(f"Rewriting {name} ..."[:width], err=True, nl=False)
+        try:
+            yield
+        finally:
+            if shown:
+                click.echo("\r\033[K", err=True, nl=False)
 
     def sections(self, result: RewriteResult) -> None:
         """-v: the runtime sections the generated code holds, in reading order."""
@@ -131,14 +149,29 @@ def _publish(
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
     target = f" -> {sources.shown(written[0])}" if written else ""
     report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
+    report.sections(result)
     if out is not None:
-        copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
-        report.info(f"  {sources.shown(out)}: {copied} copied, {linked} linked")
+        report.info(f"  {sources.shown(out)}: {_contents(src, len(written) - 1, linked)}")
     if publish.changed_config(src, checkpoint) is not None:
         report.info("  config.json: auto_map now takes the code from the patched files beside it")
     if push is not None:
         done = "opened a pull request on" if push.create_pr else "pushed to"
         report.info(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}")
+
+
+def _contents(src: sources.Source, copied: int, linked: list[Path]) -> str:
+    """What --out holds besides the patched file, and whether it has weights."""
+    parts = [f"{plural(copied, 'code/config file')} copied"] if copied else []
+    if linked:
+        parts.append(f"{plural(len(linked), 'file')} linked")
+    if not any(path.name.endswith(WEIGHT_SUFFIXES) for path in linked):
+        if src.root is None:
+            parts.append(f"{sources.shown(src.spec)} is a single file: the output holds the patched file only")
+        elif src.kind == "hub" and not src.weights:
+            parts.append("no weights: the output holds code and config only (--include-weights links the weights)")
+        else:
+            parts.append(f"no weights in {sources.shown(src.spec)}: the output holds code and config only")
+    return ", ".join(parts)
 
 
 def _describe(result: RewriteResult, options: RewriteOptions) -> str:
@@ -212,8 +245,9 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     default=True,
     show_default=True,
     help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
-    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
-    "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).",
+    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys; PEFT's LoRA adapts them (target_modules "
+    "or target_parameters). --no-fuse-experts keeps the experts' nn.Linear modules, as published, for code that "
+    "needs them as modules (LoRA does not).",
 )
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
@@ -222,7 +256,9 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
-@click.option("-v", "--verbose", is_flag=True, help="Also name the files left unchanged and the generated sections.")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Also name the files left unchanged and the runtime sections each file gets."
+)
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(
     specs,
@@ -334,7 +370,8 @@ def _rewrite(
 
     text = src.read()  # its errors name the file already
     try:
-        result = rewrite_source(text, options)
+        with report.progress(src.name):
+            result = rewrite_source(text, options)
         if report.checkpointing_asked and options.gradient_checkpointing and "checkpoint_layer" not in result.sections:
             report.info(
                 f"note: --gradient-checkpointing changes nothing in {src.name}: its decoder loop checkpoints "
