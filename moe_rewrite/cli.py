@@ -123,7 +123,7 @@ def _check_publishing(out: Path | None, push_to_hub: str | None, include_weights
     if given and push_to_hub is None:
         raise RewriteError(f"{', '.join(given)}: only with --push-to-hub REPO_ID")
     if push_to_hub is not None and not sources.REPO_ID.match(push_to_hub):
-        raise RewriteError(f"--push-to-hub {push_to_hub}: not a Hub repo id (org/name)")
+        raise RewriteError(f"--push-to-hub {sources.shown(push_to_hub)}: not a Hub repo id (org/name)")
     if push_options.get("create_pr") and push_options.get("private"):
         raise RewriteError("--private applies when --push-to-hub creates the repo; --create-pr needs an existing one")
     if include_weights and out is None:
@@ -322,7 +322,7 @@ def command(
         compat=compat,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
-        raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
+        raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")
     if out is not None or push_to_hub is not None:  # one SOURCE (_check_modes)
         src = sources.resolve(specs[0], revision, token, include_weights)
         result = _rewrite(src, options, skip_unrecognised, report)

@@ -113,7 +113,7 @@ def parse_json(text: str | bytes, path) -> object:
 # is joined to the checkpoint's path (or REPO's). So "../x.C" and "pkg.mod.C" do not load, "/abs.C" and "sub/m.C" read
 # files outside the checkpoint's top level, and "/a/dir--m.C" another directory's code. moe-rewrite follows MODULE.py
 # beside config.json only, or a Hub repo's (REPO an org/name), whose code --out makes local.
-MODULE = re.compile(r"^[^./\\]+$")
+MODULE = re.compile(r"^[^./\\\s\x00-\x1f\x7f]+$")  # a file name: no path, no space or control character
 
 
 def _ref_problem(ref: object) -> str | None:
