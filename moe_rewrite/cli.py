@@ -7,7 +7,9 @@ before it), nothing written for that file, and the run stops there.
 
 Output, as black's: a line per file rewritten (or that would be) on stderr, then one summary line ("2 files rewritten,
 1 file left unchanged, 1 file failed"; a single SOURCE that fails gets its error line alone); `-q` prints errors only,
-`-v` also names the files left unchanged and the generated code's sections. Diffs go to stdout.
+`-v` also names the files left unchanged and the generated code's sections. Diffs go to stdout. On a terminal a
+"Rewriting PATH ..." line shows while libcst works and is erased before the next line. Paths in messages escape control
+characters (sources.shown), so every message is one line. `moe-rewrite env` (the first word only) is a subcommand.
 """
 
 from __future__ import annotations
