@@ -7,25 +7,34 @@ before it), nothing written for that file, and the run stops there.
 
 Output, as black's: a line per file rewritten (or that would be) on stderr, then one summary line ("2 files rewritten,
 1 file left unchanged, 1 file failed"; a single SOURCE that fails gets its error line alone); `-q` prints errors only,
-`-v` also names the files left unchanged and the generated code's sections. Diffs go to stdout.
+`-v` also names the files left unchanged and the generated code's sections. Diffs go to stdout. On a terminal a
+"Rewriting PATH ..." line shows while libcst works and is erased before the next line. Paths in messages escape control
+characters (sources.shown), so every message is one line. `moe-rewrite env` (the first word only) is a subcommand.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from moe_rewrite import __version__, publish, sources
 from moe_rewrite.errors import InternalError, NotMoeFileError, RewriteError
-from moe_rewrite.render import ordered
-from moe_rewrite.rewrite import BACKENDS, STACKINGS, RewriteOptions, RewriteResult, rewrite_source
+from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
+
+if TYPE_CHECKING:
+    from moe_rewrite.rewrite import RewriteResult
 
 NOT_MOE = "not a DeepSeek-family MoE file"
+# Linked files that are a model's weights: without one, --out says the output has none.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def plural(count: int, noun: str) -> str:
@@ -48,6 +57,26 @@ class Reporter:
     def detail(self, message: str) -> None:
         if self.verbosity > 0:
             click.echo(message, err=True)
+
+    @contextmanager
+    def progress(self, name: str):
+        """On a terminal, "Rewriting NAME ..." while libcst works (10-20 s for a real file), erased before anything
+        else is printed: what the run prints, and the one error line, stay as they are."""
+        shown = self.verbosity >= 0 and sys.stderr.isatty()
+        if shown:
+            width = shutil.get_terminal_size().columns - 1  # one screen line, so that \r erases all of it
+            click.echo(f"Rewriting {name} ..."[:width], err=True, nl=False)
+        try:
+            yield
+        finally:
+            if shown:
+                click.echo("\r\033[K", err=True, nl=False)
+
+    def sections(self, result: RewriteResult) -> None:
+        """-v: the runtime sections the generated code holds, in reading order."""
+        from moe_rewrite.render import ordered
+
+        self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def summary(self, would: bool) -> None:
         """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""
@@ -96,7 +125,7 @@ def _check_publishing(out: Path | None, push_to_hub: str | None, include_weights
     if given and push_to_hub is None:
         raise RewriteError(f"{', '.join(given)}: only with --push-to-hub REPO_ID")
     if push_to_hub is not None and not sources.REPO_ID.match(push_to_hub):
-        raise RewriteError(f"--push-to-hub {push_to_hub}: not a Hub repo id (org/name)")
+        raise RewriteError(f"--push-to-hub {sources.shown(push_to_hub)}: not a Hub repo id (org/name)")
     if push_options.get("create_pr") and push_options.get("private"):
         raise RewriteError("--private applies when --push-to-hub creates the repo; --create-pr needs an existing one")
     if include_weights and out is None:
@@ -120,16 +149,31 @@ def _publish(
     uploaded = checkpoint.code_and_config()
     url = publish.push_to_hub(push, uploaded) if push is not None else None
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
-    target = f" -> {written[0]}" if written else ""
+    target = f" -> {sources.shown(written[0])}" if written else ""
     report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
+    report.sections(result)
     if out is not None:
-        copied, linked = plural(len(written) - 1, "code/config file"), plural(len(linked), "file")
-        report.info(f"  {out}: {copied} copied, {linked} linked")
+        report.info(f"  {sources.shown(out)}: {_contents(src, len(written) - 1, linked)}")
     if publish.changed_config(src, checkpoint) is not None:
         report.info("  config.json: auto_map now takes the code from the patched files beside it")
     if push is not None:
         done = "opened a pull request on" if push.create_pr else "pushed to"
         report.info(f"  {done} {push.repo_id} ({', '.join(uploaded)}): {url}")
+
+
+def _contents(src: sources.Source, copied: int, linked: list[Path]) -> str:
+    """What --out holds besides the patched file, and whether it has weights."""
+    parts = [f"{plural(copied, 'code/config file')} copied"] if copied else []
+    if linked:
+        parts.append(f"{plural(len(linked), 'file')} linked")
+    if not any(path.name.endswith(WEIGHT_SUFFIXES) for path in linked):
+        if src.root is None:
+            parts.append(f"{sources.shown(src.spec)} is a single file: the output holds the patched file only")
+        elif src.kind == "hub" and not src.weights:
+            parts.append("no weights: the output holds code and config only (--include-weights links the weights)")
+        else:
+            parts.append(f"no weights in {sources.shown(src.spec)}: the output holds code and config only")
+    return ", ".join(parts)
 
 
 def _describe(result: RewriteResult, options: RewriteOptions) -> str:
@@ -140,7 +184,7 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", metavar="SOURCE...", nargs=-1, required=True)
-@click.option("--out", type=click.Path(path_type=Path), help="Write the patched checkpoint (code, config, links) here.")
+@click.option("--out", type=click.Path(), help="Write the patched checkpoint (code, config, links) here.")
 @click.option("--in-place", is_flag=True, help="Rewrite the file where it is; exit 1 when it changed.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 when something would change.")
 @click.option("--diff", is_flag=True, help="Print a unified diff; write nothing; exit 1 when something would change.")
@@ -203,8 +247,9 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     default=True,
     show_default=True,
     help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
-    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys. --no-fuse-experts keeps "
-    "the experts' nn.Linear modules (LoRA adapters on the routed experts need them).",
+    "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys; PEFT's LoRA adapts them (target_modules "
+    "or target_parameters). --no-fuse-experts keeps the experts' nn.Linear modules, as published, for code that "
+    "needs them as modules (LoRA does not).",
 )
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
@@ -213,7 +258,9 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     help="Report and skip a file that is not a DeepSeek-family MoE file at all (pre-commit hooks).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
-@click.option("-v", "--verbose", is_flag=True, help="Also name the files left unchanged and the generated sections.")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Also name the files left unchanged and the runtime sections each file gets."
+)
 @click.version_option(__version__, prog_name="moe-rewrite")
 def command(
     specs,
@@ -246,6 +293,9 @@ def command(
     SOURCE is a Hub repo id (org/name), a checkpoint directory holding modeling_deepseek.py, or a .py file.
     `moe-rewrite env` prints the installed versions and the kernel the generated code picks on this machine.
     """
+    if out == "":  # an unset $OUTDIR: Path("") is the current directory
+        raise RewriteError("--out: empty path (an unset variable?); name the output directory")
+    out = None if out is None else Path(out)
     _check_modes(specs, out, in_place, check, diff, push_to_hub)
     if quiet and verbose:
         raise RewriteError("-q/--quiet and -v/--verbose exclude each other")
@@ -274,7 +324,7 @@ def command(
         compat=compat,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
-        raise RewriteError(f"{hub}: a Hub repo cannot be rewritten in place; use --out DIR")
+        raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")
     if out is not None or push_to_hub is not None:  # one SOURCE (_check_modes)
         src = sources.resolve(specs[0], revision, token, include_weights)
         result = _rewrite(src, options, skip_unrecognised, report)
@@ -303,7 +353,9 @@ def command(
         except (RewriteError, OSError) as e:
             if len(specs) == 1:
                 raise  # one line, no summary
-            message = str(e) if isinstance(e, RewriteError) else f"{e.filename or spec}: {e.strerror or e}"
+            message = (
+                str(e) if isinstance(e, RewriteError) else f"{sources.shown(e.filename or spec)}: {e.strerror or e}"
+            )
             _error(message, [token] if token else [])
             outcome = "failed"
         report.counts[outcome] += 1
@@ -316,9 +368,12 @@ def _rewrite(
     src: sources.Source, options: RewriteOptions, skip_unrecognised: bool, report: Reporter
 ) -> RewriteResult | None:
     """The rewrite of one source; None for a file that is not a MoE file at all, with --skip-unrecognised."""
+    from moe_rewrite.rewrite import rewrite_source  # libcst: a second to import, which `env` and --help skip
+
     text = src.read()  # its errors name the file already
     try:
-        result = rewrite_source(text, options)
+        with report.progress(src.name):
+            result = rewrite_source(text, options)
         if report.checkpointing_asked and options.gradient_checkpointing and "checkpoint_layer" not in result.sections:
             report.info(
                 f"note: --gradient-checkpointing changes nothing in {src.name}: its decoder loop checkpoints "
@@ -353,6 +408,11 @@ def _rewrite_file(
     """--in-place, --check or --diff for one SOURCE: "rewritten" when it changed (or would), "unchanged" or
     "skipped"."""
     src = sources.resolve(spec, revision, token)
+    if in_place and src.kind == "dir" and not src.modeling_file.resolve().is_relative_to(src.root.resolve()):
+        raise RewriteError(
+            f"{src.name}: a link to {sources.shown(src.modeling_file.resolve())}, outside the checkpoint; --in-place "
+            "rewrites files inside it only (rewrite that file itself, or use --out DIR)"
+        )
     result = _rewrite(src, options, skip_unrecognised, report)
     if result is None:
         return "skipped"
@@ -369,14 +429,14 @@ def _rewrite_file(
             click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
-    report.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
+    report.sections(result)
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
         target = path.resolve()
         if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
-            raise RewriteError(f"{path}: cannot be rewritten in place (not writable)")
+            raise RewriteError(f"{src.name}: cannot be rewritten in place (not writable)")
         publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
-        report.info(f"Rewriting {path} ({_describe(result, options)})")
+        report.info(f"Rewriting {src.name} ({_describe(result, options)})")
     return "rewritten"
 
 
@@ -415,12 +475,9 @@ def _one_line(message: str, tokens: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["env"] and not Path("env").exists():  # `moe-rewrite env`; a path named env needs ./env
-        from moe_rewrite.env import report
-
-        click.echo("\n".join(report()))
-        return 0
     try:
+        if args[:1] == ["env"]:  # the subcommand, as git's: a path named env is written ./env
+            return _env(args[1:])
         return command.main(args=args, prog_name="moe-rewrite", standalone_mode=False) or 0
     except RewriteError as e:
         return _error(str(e), _secrets(args))
@@ -429,10 +486,28 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         return _error(e.format_message(), _secrets(args))
     except OSError as e:  # a write that failed after every check passed (disk full, permissions changed)
-        return _error(f"{e.filename or ''}: {e.strerror or e}; nothing was written", _secrets(args))
+        return _error(f"{sources.shown(e.filename or '')}: {e.strerror or e}; nothing was written", _secrets(args))
     except click.exceptions.Abort:
         click.echo("moe-rewrite: aborted", err=True)
         return 1
+
+
+def _env(args: list[str]) -> int:
+    """`moe-rewrite env`: its lines as they come (the versions at once, the kernel once torch has loaded)."""
+    if args in (["-h"], ["--help"]):
+        click.echo(
+            "Usage: moe-rewrite env\n\n  Print the installed versions and the kernel the generated code picks here."
+        )
+        return 0
+    if args:
+        raise RewriteError(
+            f"env takes no arguments (a SOURCE named env is written ./env): {sources.shown(' '.join(args))}"
+        )
+    from moe_rewrite.env import report
+
+    for line in report():
+        click.echo(line)
+    return 0
 
 
 def run() -> None:

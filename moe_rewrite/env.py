@@ -1,7 +1,8 @@
 """`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
 the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why (on a GPU, also whether
 its Triton kernels run). Both come from the generated code's own choice (runtime/dispatch.py), so they are what a
-rewritten file does on this machine.
+rewritten file does on this machine. The versions print at once; the kernel lines follow once torch has loaded (a few
+seconds on a cold start).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import importlib.metadata
 import importlib.util
 import platform
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 from moe_rewrite import __version__
-from moe_rewrite.render import RUNTIME_DIR
+
+RUNTIME_DIR = Path(__file__).parent / "runtime"  # as render.py's, without importing libcst
 
 # The oldest and newest transformers releases the test suite runs the rewritten files on (README, "transformers
 # releases"); versions in between are covered too.
@@ -67,24 +71,25 @@ def _why(kernel: str, device, torch) -> str:
         return "the grouped_gemm package's CUTLASS kernels"
     if kernel == "sonicmoe":
         return "SonicMoE's fused expert-MLP kernels (sonic-moe installed, sm90), torch._grouped_mm where it cannot"
+    by_slice = "rows sorted by expert, one matmul per expert's slice"
     if device.type != "cuda":
-        return "the portable pass over experts' row slices (activations on the CPU)"
+        return f"{by_slice} (activations on the CPU)"
     major, minor = torch.cuda.get_device_capability(device)
     if not hasattr(torch, "_grouped_mm"):
-        return f"the portable pass (torch {torch.__version__} has no _grouped_mm; grouped_gemm not installed)"
-    return f"the portable pass (sm{major}{minor}: torch._grouped_mm is fast from sm90; grouped_gemm not installed)"
+        return f"{by_slice} (torch {torch.__version__} has no _grouped_mm; grouped_gemm not installed)"
+    return f"{by_slice} (sm{major}{minor}: torch._grouped_mm is fast from sm90; grouped_gemm not installed)"
 
 
-def report() -> list[str]:
-    """The lines `moe-rewrite env` prints."""
-    lines = [f"moe-rewrite {__version__}, python {platform.python_version()}, runtime in {RUNTIME_DIR}"]
+def report() -> Iterator[str]:
+    """The lines `moe-rewrite env` prints, one at a time: the versions need no import, the kernel lines need torch."""
+    yield f"moe-rewrite {__version__}, python {platform.python_version()}, runtime in {RUNTIME_DIR}"
     versions = {package: _version(package) for package in PACKAGES}
     for package, version in versions.items():
         shown = transformers_support(version) if package == "transformers" else version or "not installed"
-        lines.append(f"{package}: {shown}")
+        yield f"{package}: {shown}"
     if versions["torch"] is None:
-        lines.append("kernel: none (the rewritten files need torch >= 2.5)")
-        return lines
+        yield "kernel: none (the rewritten files need torch >= 2.5)"
+        return
     import torch
 
     runtime = _runtime()
@@ -95,13 +100,12 @@ def report() -> list[str]:
         try:
             kernel = runtime._moe_rewrite_choose_kernel(device, dtype)
         except (RuntimeError, ValueError) as e:  # MOE_REWRITE_BACKEND asks for what this machine lacks
-            lines.append(f"kernel on {device} (bf16): error: {e}")
+            yield f"kernel on {device} (bf16): error: {e}"
             continue
         name = f"{torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
-        lines.append(f"kernel on {device} ({name}bf16, backend {backend}): {kernel}: {_why(kernel, device, torch)}")
+        yield f"kernel on {device} ({name}bf16, backend {backend}): {kernel}: {_why(kernel, device, torch)}"
         if device.type == "cuda":
-            lines.append(f"elementwise steps on {device}: {_elementwise(runtime, device, torch)}")
-    return lines
+            yield f"elementwise steps on {device}: {_elementwise(runtime, device, torch)}"
 
 
 def _elementwise(runtime, device, torch) -> str:

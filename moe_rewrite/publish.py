@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moe_rewrite import __version__
 from moe_rewrite.errors import RewriteError
-from moe_rewrite.sources import Source, auto_map_refs, is_hub_code_file, split_class_ref
+from moe_rewrite.sources import Source, auto_map_refs, is_hub_code_file, kind_of, parse_json, shown, split_class_ref
 
 # Files copied into an output checkpoint; everything else (weights, index, tokenizer) is linked.
 COPIED_SUFFIXES = (".py",)
@@ -93,18 +93,18 @@ def write_atomic(path: Path, data: bytes, mode_from: Path | None = None) -> None
 def check_out_dir(out: Path, source: Source) -> None:
     """Refuse an output directory that is the source itself or an existing file; before anything is written."""
     if out.is_symlink() and not out.exists():
-        raise RewriteError(f"{out}: is a link to nothing")
+        raise RewriteError(f"{shown(out)}: is a link to nothing")
     if out.exists() and not out.is_dir():
-        raise RewriteError(f"{out}: exists and is not a directory")
+        raise RewriteError(f"{shown(out)}: exists and is not a directory")
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
     if not existing.is_dir():
-        raise RewriteError(f"{out}: cannot be created, {existing} is not a directory")
+        raise RewriteError(f"{shown(out)}: cannot be created, {shown(existing)} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise RewriteError(f"{out}: cannot be written ({existing} is not writable)")
+        raise RewriteError(f"{shown(out)}: cannot be written ({shown(existing)} is not writable)")
     if source.root is not None and out.resolve() == source.root.resolve():
-        raise RewriteError(f"{out}: is the source checkpoint itself; use --in-place to rewrite it there")
+        raise RewriteError(f"{shown(out)}: is the source checkpoint itself; use --in-place to rewrite it there")
     if source.root is None and out.resolve() == source.modeling_file.parent.resolve():
-        raise RewriteError(f"{out}: holds the source file itself; use --in-place to rewrite it there")
+        raise RewriteError(f"{shown(out)}: holds the source file itself; use --in-place to rewrite it there")
 
 
 def _sha256(data: bytes) -> str:
@@ -112,9 +112,11 @@ def _sha256(data: bytes) -> str:
 
 
 def _manifest(out: Path) -> dict:
+    if not (out / MANIFEST).is_file():  # none yet (check_out_files refuses a FIFO there: reading it would block)
+        return {"files": {}, "links": {}}
     try:
         manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {"files": {}, "links": {}}
     ok = isinstance(manifest, dict) and all(isinstance(manifest.get(k), dict) for k in ("files", "links"))
     return manifest if ok else {"files": {}, "links": {}}
@@ -132,7 +134,11 @@ def check_out_files(out: Path, checkpoint: Checkpoint, force: bool) -> None:
         if not (path.exists() or path.is_symlink()):
             continue
         if path.is_dir() and not path.is_symlink():
-            raise RewriteError(f"{path}: is a directory, where moe-rewrite would write its {name}")
+            raise RewriteError(f"{shown(path)}: is a directory, where moe-rewrite would write its {shown(name)}")
+        if not path.is_symlink() and not path.is_file():  # reading a FIFO would block
+            raise RewriteError(
+                f"{shown(path)}: {kind_of(path.stat().st_mode)}, where moe-rewrite would write its {shown(name)}"
+            )
         if name == MANIFEST:
             continue
         if path.is_symlink():
@@ -142,14 +148,14 @@ def check_out_files(out: Path, checkpoint: Checkpoint, force: bool) -> None:
             try:
                 digest = _sha256(path.read_bytes())
             except OSError as e:
-                raise RewriteError(f"{path}: cannot read ({e.strerror})") from None
+                raise RewriteError(f"{shown(path)}: cannot read ({e.strerror})") from None
             ours = manifest["files"].get(name) == digest or (isinstance(content, bytes) and _sha256(content) == digest)
         if not ours:
             theirs.append(name)
     if theirs and not force:
         raise RewriteError(
-            f"{out}: holds {', '.join(theirs)}, which moe-rewrite did not write; rerun with --force to replace "
-            f"{'them' if len(theirs) > 1 else 'it'}, or choose another --out"
+            f"{shown(out)}: holds {', '.join(map(shown, theirs))}, which moe-rewrite did not write; rerun with --force "
+            f"to replace {'them' if len(theirs) > 1 else 'it'}, or choose another --out"
         )
 
 
@@ -167,7 +173,7 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
         if entry.name.startswith(".") or entry.name in files:
             continue
         if is_code_or_config(entry.name) and entry.exists() and not entry.is_file():  # a FIFO would block
-            raise RewriteError(f"{entry}: not a regular file")
+            raise RewriteError(f"{shown(entry)}: {kind_of(entry.stat().st_mode)}, not a regular file")
         if code_only:
             if entry.is_file() and is_hub_code_file(entry.name):
                 files[entry.name] = entry.read_bytes()
@@ -179,7 +185,7 @@ def plan_checkpoint(source: Source, patched: str) -> Checkpoint:
                     entry.resolve(strict=True) if entry.is_symlink() and source.kind == "dir" else entry.absolute()
                 )
             except (OSError, RuntimeError):
-                raise RewriteError(f"{entry}: a link that leads nowhere (missing target or a loop)") from None
+                raise RewriteError(f"{shown(entry)}: a link that leads nowhere (missing target or a loop)") from None
     for path in source.external:
         files.setdefault(path.name, path.read_bytes())
     if "config.json" in files:
@@ -236,11 +242,12 @@ def _local_ref(ref, key: str, files: dict[str, bytes], source: Source):
     if f"{module}.py" not in files:
         if source.kind == "hub":
             raise RewriteError(
-                f"{source.spec}: config.json's auto_map {key} takes {module}.py from {repo}, which has no such file"
+                f"{source.spec}: config.json's auto_map {shown(key)} takes {module}.py from {repo}, which has no such "
+                "file"
             )
         raise RewriteError(
-            f"{source.root / 'config.json'}: auto_map {key} takes {module}.py from {repo}, and {source.root} has no "
-            f"{module}.py; copy that repo's {module}.py there"
+            f"{shown(source.root / 'config.json')}: auto_map {shown(key)} takes {module}.py from {repo}, and "
+            f"{shown(source.root)} has no {module}.py; copy that repo's {module}.py there"
         )
     return ref.rpartition("--")[2]
 
@@ -249,11 +256,7 @@ def localize_auto_map(data: bytes, files: dict[str, bytes], source: Source) -> b
     """config.json with auto_map entries that take code from another repo pointed at the local (patched) files:
     otherwise transformers would load that repo's unpatched code. The bytes as they were when nothing changes;
     else written as the Hub writes it (indent 2, keys in their order, non-ASCII escaped only if it was)."""
-    try:
-        config = json.loads(data)
-    except ValueError as e:
-        where = source.root / "config.json" if source.root is not None else "config.json"
-        raise RewriteError(f"{where}: not valid JSON ({e})") from None
+    config = parse_json(data, source.root / "config.json" if source.root is not None else "config.json")
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
     if not isinstance(auto_map, dict) or not any(repo for _, repo, _ in auto_map_refs(auto_map)):
         return data

@@ -23,6 +23,19 @@ HUB_URL = re.compile(
 )
 
 
+def shown(path) -> str:
+    """A path (or any name) as messages show it: as it is, except for control characters (a newline, a tab, an escape
+    in a file name), written as Python escapes them, so that a message stays one line and says what the name holds."""
+    text = str(path)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is neither a regular file nor a directory is, for messages."""
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device"}
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
+
+
 def hub_repo(spec: str, revision: str | None = None) -> tuple[str, str | None] | None:
     """(repo id, revision) when `spec` names a Hub model repo, by id (org/name) or by its page's URL (whose
     /tree/REVISION gives the revision); None for anything else. A local path of that shape is not a repo."""
@@ -33,9 +46,9 @@ def hub_repo(spec: str, revision: str | None = None) -> tuple[str, str | None] |
         return (spec, revision) if REPO_ID.match(spec) else None
     repo, in_url = found.group("repo"), found.group("revision")
     if repo.split("/")[0] in ("datasets", "spaces") or not REPO_ID.match(repo):
-        raise RewriteError(f"{spec}: not a Hub model repository")
+        raise RewriteError(f"{shown(spec)}: not a Hub model repository")
     if revision is not None and in_url is not None and revision != in_url:
-        raise RewriteError(f"{spec}: names revision {in_url}, but --revision says {revision}")
+        raise RewriteError(f"{shown(spec)}: names revision {shown(in_url)}, but --revision says {shown(revision)}")
     return repo, revision or in_url
 
 
@@ -59,12 +72,12 @@ class Source:
         """The modeling file as messages name it: its path, or for a Hub source `org/name@REV/file`, not the Hub
         cache's snapshot path (REV: the --revision given, else the commit the snapshot holds)."""
         if self.kind != "hub" or self.root is None:
-            return str(self.modeling_file)
+            return shown(self.modeling_file)
         snapshot = self.modeling_file.parent
         if snapshot != self.root:  # taken from another repo (auto_map): the cache names it models--org--name
             repo = snapshot.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
-            return f"{repo}@{snapshot.name[:12]}/{self.modeling_file.name}"
-        return f"{self.spec}@{self.revision or self.root.name[:12]}/{self.modeling_file.name}"
+            return shown(f"{repo}@{snapshot.name[:12]}/{self.modeling_file.name}")
+        return shown(f"{self.spec}@{self.revision or self.root.name[:12]}/{self.modeling_file.name}")
 
     def read(self) -> str:
         return read_text(self.modeling_file)
@@ -74,22 +87,71 @@ def read_text(path: Path) -> str:
     """A file's text with its line endings kept as they are (CRLF stays CRLF); only regular files are read (a FIFO
     would block)."""
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise RewriteError(f"{path}: not a regular file")
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise RewriteError(f"{shown(path)}: {kind_of(mode)}, not a regular file")
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise RewriteError(f"{path}: not UTF-8 text") from None
+        raise RewriteError(f"{shown(path)}: not UTF-8 text") from None
     except OSError as e:
-        raise RewriteError(f"{path}: cannot read ({e.strerror})") from None
+        raise RewriteError(f"{shown(path)}: cannot read ({e.strerror})") from None
+
+
+def parse_json(text: str | bytes, path) -> object:
+    """JSON as json.loads reads it; text that is not JSON, or nests too deeply for the parser (100000 `[`), is a
+    one-line error naming `path`."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RewriteError(f"{shown(path)}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise RewriteError(f"{shown(path)}: not valid JSON (nested too deeply)") from None
+
+
+# How transformers reads an auto_map entry (dynamic_module_utils.get_class_from_dynamic_module, 4.46 to 5.x): an
+# optional "REPO--" (then the code is that repo's; split on "--"), then "MODULE.CLASS", split on its one "."; MODULE.py
+# is joined to the checkpoint's path (or REPO's). So "../x.C" and "pkg.mod.C" do not load, "/abs.C" and "sub/m.C" read
+# files outside the checkpoint's top level, and "/a/dir--m.C" another directory's code. moe-rewrite follows MODULE.py
+# beside config.json only, or a Hub repo's (REPO an org/name), whose code --out makes local.
+MODULE = re.compile(r"^[^./\\\s\x00-\x1f\x7f]+$")  # a file name: no path, no space or control character
+
+
+def _ref_problem(ref: object) -> str | None:
+    """Why moe-rewrite does not follow an auto_map class reference, or None."""
+    if ref is None:  # a tokenizer's missing slow or fast class
+        return None
+    if not isinstance(ref, str):
+        return f"a JSON {type(ref).__name__}, not a class reference (MODULE.CLASS)"
+    *repo, local = ref.split("--")
+    parts = local.split(".")
+    if len(repo) > 1 or (repo and not REPO_ID.match(repo[0])) or len(parts) != 2 or not MODULE.match(parts[0]):
+        return (
+            f"{shown(repr(ref))} is not MODULE.CLASS with MODULE.py beside config.json, nor ORG/NAME--MODULE.CLASS: "
+            "moe-rewrite follows only modules in the checkpoint"
+        )
+    return None
 
 
 def read_auto_map(root: Path) -> dict:
-    """config.json's auto_map ({} when there is none or the file is not JSON)."""
-    try:
-        auto_map = json.loads(read_text(root / "config.json")).get("auto_map", {})
-    except (RewriteError, ValueError, AttributeError):
+    """config.json's auto_map, every class reference checked ({} without config.json or auto_map). A config.json that
+    is not a regular file or not JSON, and a reference to code outside the checkpoint (or one transformers cannot
+    read) are one-line errors: --in-place must not rewrite a file outside the checkpoint, nor --out write a config
+    transformers cannot load."""
+    path = root / "config.json"
+    if not (path.exists() or path.is_symlink()):
         return {}
-    return auto_map if isinstance(auto_map, dict) else {}
+    config = parse_json(read_text(path), path)
+    if not isinstance(config, dict):
+        raise RewriteError(f"{shown(path)}: not a JSON object")
+    auto_map = config.get("auto_map", {})
+    if not isinstance(auto_map, dict):
+        raise RewriteError(f"{shown(path)}: auto_map is not a JSON object")
+    for key, value in auto_map.items():
+        for ref in value if isinstance(value, list) else [value]:
+            problem = _ref_problem(ref)
+            if problem is not None:
+                raise RewriteError(f"{shown(path)}: auto_map {shown(key)}: {problem}")
+    return auto_map
 
 
 def split_class_ref(ref: str) -> tuple[str | None, str]:
@@ -129,13 +191,15 @@ def _from_dir(
 ) -> Source:
     name = modeling_file_name(root)
     path = root / name
+    if path.exists() and not path.is_file():
+        read_text(path)  # a FIFO or a device: one line saying what it is
     if not path.is_file():
         path = next((p for p in external if p.name == name), None)
     if path is None:
         where = "repository" if kind == "hub" else "directory"
         repo = _foreign_repo_of(root, name)
         hint = f" (config.json's auto_map takes it from {repo}: put that repo's {name} here)" if repo else ""
-        raise RewriteError(f"{spec}: no {name} in this {where}{hint}")
+        raise RewriteError(f"{shown(spec)}: no {shown(name)} in this {where}{hint}")
     return Source(spec, kind, path, root, weights=weights, external=external, revision=revision)
 
 
@@ -149,7 +213,7 @@ def fetch_referenced_code(spec: str, root: Path, token: str | None) -> tuple[Pat
         try:
             snapshot = download_snapshot(repo, None, token)
         except RewriteError as e:
-            raise RewriteError(f"{spec}: config.json's auto_map takes code from {e}") from None
+            raise RewriteError(f"{shown(spec)}: config.json's auto_map takes code from {e}") from None
         for path in sorted(snapshot.glob("*.py")):
             if not (root / path.name).exists():
                 found.setdefault(path.name, path)
@@ -157,22 +221,24 @@ def fetch_referenced_code(spec: str, root: Path, token: str | None) -> tuple[Pat
 
 
 def resolve(spec: str, revision: str | None = None, token: str | None = None, weights: bool = False) -> Source:
+    if not spec:
+        raise RewriteError("SOURCE is an empty path (an unset variable?); name a checkpoint, a .py file or a repo id")
     path = Path(spec)
     if revision is not None and path.exists():
-        raise RewriteError(f"{spec}: --revision applies to Hub repo ids, not to local paths")
+        raise RewriteError(f"{shown(spec)}: --revision applies to Hub repo ids, not to local paths")
+    if weights and path.exists():
+        raise RewriteError(f"{shown(spec)}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
     if path.is_dir():
-        if weights:
-            raise RewriteError(f"{spec}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
         return _from_dir(spec, path, "dir")
+    if path.exists() and not path.is_file():
+        raise RewriteError(f"{shown(spec)}: {kind_of(path.stat().st_mode)}, not a .py file or a checkpoint directory")
     if path.is_file():
         if path.suffix != ".py":
-            raise RewriteError(f"{spec}: not a .py file, a checkpoint directory or a Hub repo id")
-        if weights:
-            raise RewriteError(f"{spec}: --include-weights needs a Hub repo id (a checkpoint's are linked anyway)")
+            raise RewriteError(f"{shown(spec)}: not a .py file, a checkpoint directory or a Hub repo id")
         return Source(spec=spec, kind="file", modeling_file=path, root=None)
     repo = hub_repo(spec, revision)
     if path.suffix == ".py" or repo is None:
-        raise RewriteError(f"{spec}: no such file or directory")
+        raise RewriteError(f"{shown(spec)}: no such file or directory")
     spec, revision = repo
     root = download_snapshot(spec, revision, token, weights)
     return _from_dir(spec, root, "hub", weights, fetch_referenced_code(spec, root, token), revision)

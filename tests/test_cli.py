@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -9,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from functools import lru_cache
 from pathlib import Path
 
@@ -169,6 +171,36 @@ def test_out_from_bare_py_file(tmp_path):
     assert written.is_file() and not written.is_symlink()
     assert "def moe_train(" in written.read_text()
     assert snapshot(src_dir) == before
+
+
+def test_out_says_what_it_holds_and_whether_it_has_weights(tmp_path):
+    """Weights linked are counted; an output without any says so, and why, instead of "0 files linked"."""
+    with_weights = make_checkpoint(tmp_path, "with", small=True)
+    code, _, err = run_cli(with_weights, "--out", tmp_path / "o1")
+    assert code == 0 and err.splitlines()[1] == f"  {tmp_path / 'o1'}: 2 code/config files copied, 3 files linked"
+    no_weights = tmp_path / "code_only"
+    shutil.copytree(V3_DIR, no_weights)
+    shutil.copyfile(SMALL_V3, no_weights / MODELING)
+    code, _, err = run_cli(no_weights, "--out", tmp_path / "o2")
+    assert code == 0 and err.splitlines()[1] == (
+        f"  {tmp_path / 'o2'}: 2 code/config files copied, no weights in {no_weights}: the output holds code and "
+        "config only"
+    )
+    bare = copy_modeling(tmp_path, "bare.py", SMALL_V3)
+    code, _, err = run_cli(bare, "--out", tmp_path / "o3")
+    assert code == 0 and err.splitlines()[1] == (
+        f"  {tmp_path / 'o3'}: {bare} is a single file: the output holds the patched file only"
+    )
+    assert "linked" not in err
+
+
+def test_verbose_out_names_the_runtime_sections(tmp_path):
+    """-v promises the sections the generated code holds: --out prints them too, as --check and --in-place do."""
+    src = make_checkpoint(tmp_path, small=True)
+    code, _, err = run_cli(src, "--out", tmp_path / "out", "-v")
+    assert code == 0 and err.splitlines()[1].startswith("  generated code: dispatch, route, grouped_linear, "), err
+    code, _, err = run_cli(src, "--out", tmp_path / "out2")
+    assert code == 0 and "generated code" not in err
 
 
 # ------------------------------------------------------------------------------------------------------- --in-place
@@ -564,6 +596,50 @@ def test_help(flag):
     assert stdout.startswith("Usage: moe-rewrite [OPTIONS] SOURCE...")
     for option in ("--out", "--in-place", "--check", "--diff", "--revision", "--backend", "--stacking"):
         assert option in stdout, option
+    text = " ".join(stdout.split())
+    # LoRA works on the default fused experts (tests/test_lora_parameters.py): --no-fuse-experts is not for LoRA
+    assert "PEFT's LoRA adapts them (target_modules or target_parameters)" in text
+    assert "modules (LoRA does not)" in text and "LoRA adapters on the routed experts need them" not in text
+    assert "the runtime sections each file gets" in text and "moe-rewrite env" in text
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal: where the progress line shows."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def run_on_a_terminal(*args) -> tuple[int, str]:
+    from moe_rewrite.cli import main
+
+    err = Terminal()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, err.getvalue()
+
+
+def test_a_progress_line_shows_on_a_terminal_and_is_erased(tmp_path, monkeypatch):
+    """On a terminal, "Rewriting PATH ..." shows while libcst works, then is erased (carriage return, erase line)
+    before the next line: the screen keeps the usual lines, and a failure its one error line. Not with -q, and not
+    when stderr is a file or a pipe (the other tests: their stderr is exact)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # the line is cut to the terminal's width, so that \r erases all of it
+    path = copy_modeling(tmp_path, "small.py", SMALL_V3)
+    erased = f"Rewriting {path} ...\r\033[K"
+    code, err = run_on_a_terminal(path, "--check")
+    assert code == 1 and err.startswith(f"{erased}would rewrite {path} (V3 form"), err
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    code, err = run_on_a_terminal(broken, "--check")
+    assert (
+        code == 2
+        and err
+        == f"Rewriting {broken} ...\r\033[Kmoe-rewrite: error: {broken}: syntax error at line 1, "
+        + ("column 7: invalid syntax\n")
+    )
+    assert run_on_a_terminal(path, "--check", "-q") == (1, "")
+    monkeypatch.setenv("COLUMNS", "20")
+    assert run_on_a_terminal(path, "--check")[1].startswith(f"Rewriting {path}"[:19] + "\r\033[K")
 
 
 # -------------------------------------------------------------------------------------------- python -m moe_rewrite
@@ -834,11 +910,38 @@ def test_env_names_the_versions_the_support_range_and_the_kernel(monkeypatch):
     assert f"torch: {importlib.metadata.version('torch')}" in lines
     assert f"transformers: {transformers.__version__}: in the tested range (4.46 to 5.24)" in lines
     assert "grouped_gemm: not installed" in lines
-    cpu = "kernel on cpu (bf16, backend auto): sorted: the portable pass over experts' row slices"
+    cpu = "kernel on cpu (bf16, backend auto): sorted: rows sorted by expert, one matmul per expert's slice"
     assert f"{cpu} (activations on the CPU)" in lines
+    assert "portable" not in stdout  # the kernel's one name is "sorted"
     assert "older than the tested releases" in transformers_support("4.40.2")
     assert "newer than the tested releases" in transformers_support("6.0.0")
     monkeypatch.setenv("MOE_REWRITE_BACKEND", "loop")
     assert (
         "kernel on cpu (bf16, backend loop): loop: MOE_REWRITE_BACKEND=loop (the per-expert loop)" in run_cli("env")[1]
     )
+
+
+def test_env_is_a_subcommand_even_where_a_directory_is_named_env(tmp_path, monkeypatch):
+    """A virtualenv named env/ in the current directory: `moe-rewrite env` still reports; that directory as a SOURCE
+    is written ./env."""
+    (tmp_path / "env").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = run_cli("env")
+    assert code == 0 and err == "" and stdout.startswith("moe-rewrite ") and "\ntorch: " in stdout
+    assert_one_line_error(run_cli("env", "--check"), "env takes no arguments", "./env")
+    assert_one_line_error(run_cli("./env", "--check"), "env", MODELING)  # the directory, as a SOURCE
+    code, stdout, err = run_cli("env", "--help")
+    assert code == 0 and stdout.startswith("Usage: moe-rewrite env") and err == ""
+    assert list(tmp_path.iterdir()) == [tmp_path / "env"]
+
+
+def test_env_prints_the_versions_before_importing_torch_or_libcst():
+    """The versions come from package metadata: printed at once (0.2 s), before torch (seconds) loads for the kernel
+    lines; libcst (1 s) is never imported."""
+    probe = (
+        "import sys; from moe_rewrite.env import PACKAGES, report; lines = report(); "
+        "[next(lines) for _ in range(1 + len(PACKAGES))]; print(sorted({'torch', 'libcst'} & set(sys.modules)))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "[]\n", proc.stderr

@@ -5,8 +5,10 @@ that fails part-way leaves everything as it was, and the file outside the edits 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,147 @@ def test_a_bug_in_moe_rewrite_says_so_exits_3_and_writes_nothing(checkpoint, tmp
     else:
         assert traceback == []
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------- paths outside the checkpoint
+
+CAUSAL_LM = "DeepseekV3ForCausalLM"
+
+
+def _with_auto_map(checkpoint: Path, key: str, ref) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["auto_map"][key] = ref
+    (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        f"../outside.{CAUSAL_LM}",  # a file beside the checkpoint
+        "{tmp}/outside." + CAUSAL_LM,  # an absolute path
+        f"other_pkg.modeling.{CAUSAL_LM}",  # a dotted module: another package
+        f"sub/modeling_deepseek.{CAUSAL_LM}",  # a subdirectory: --out would link it unpatched
+        f"{{tmp}}--outside.{CAUSAL_LM}",  # another directory's code, in the repo--module form
+        f"a/b--c/d--modeling_deepseek.{CAUSAL_LM}",  # transformers splits on the one "--"
+        7,
+    ],
+    ids=["parent", "absolute", "dotted", "subdirectory", "directory_repo", "two_repos", "not_a_string"],
+)
+@pytest.mark.parametrize("key", ["AutoModelForCausalLM", "AutoConfig"])
+@pytest.mark.parametrize("mode", ["--in-place", "--out", "--check"])
+def test_auto_map_naming_code_outside_the_checkpoint_is_refused(checkpoint, tmp_path, ref, key, mode):
+    """--in-place must not rewrite a file outside the checkpoint, nor --out write a config transformers cannot load:
+    only MODULE.py beside config.json (or a Hub repo's, which --out makes local) is followed."""
+    outside = tmp_path / "outside.py"
+    shutil.copyfile(V3_DIR / "modeling_deepseek.py", outside)
+    (checkpoint / "sub").mkdir()
+    shutil.copyfile(V3_DIR / "modeling_deepseek.py", checkpoint / "sub" / "modeling_deepseek.py")
+    _with_auto_map(checkpoint, key, ref.replace("{tmp}", str(tmp_path)) if isinstance(ref, str) else ref)
+    before = snapshot(tmp_path)
+    args = [checkpoint, mode, *([tmp_path / "out"] if mode == "--out" else [])]
+    assert_one_line_error(run_cli(*args), f"{checkpoint / 'config.json'}: auto_map {key}: ")
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_without_a_slow_class_and_a_hub_repos_module_are_followed(checkpoint, tmp_path):
+    _with_auto_map(checkpoint, "AutoTokenizer", [None, "tokenization_deepseek.Tok"])
+    _with_auto_map(checkpoint, "AutoConfig", "org/name--configuration_deepseek.DeepseekV3Config")
+    code, _, err = run_cli(checkpoint, "--out", tmp_path / "out")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]["AutoConfig"] == (
+        "configuration_deepseek.DeepseekV3Config"
+    )
+
+
+def test_in_place_on_a_checkpoint_whose_modeling_file_links_outside_is_refused(checkpoint, tmp_path):
+    """A checkpoint whose modeling file is a link into another tree (a Hub cache's blobs): --in-place would rewrite
+    that tree's file; --out still works."""
+    elsewhere = tmp_path / "blobs" / "modeling_deepseek.py"
+    elsewhere.parent.mkdir()
+    (checkpoint / "modeling_deepseek.py").rename(elsewhere)
+    (checkpoint / "modeling_deepseek.py").symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    assert_one_line_error(run_cli(checkpoint, "--in-place"), "outside the checkpoint", str(elsewhere), "--out")
+    assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------- empty paths, FIFOs, deep JSON, odd names
+
+
+class Hung(BaseException):
+    """Raised by the alarm: a run that blocks (on a FIFO) fails the test instead of hanging it. A BaseException, so
+    that no `except OSError` in the code under test turns it into an error line."""
+
+
+@pytest.fixture
+def no_hang():
+    def hung(signum, frame):
+        raise Hung("the run blocked for 20 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_empty_out_or_source_is_refused(checkpoint, tmp_path, monkeypatch):
+    """`--out "$OUTDIR"` with OUTDIR unset must not write into the current directory."""
+    monkeypatch.chdir(checkpoint)
+    before = snapshot(tmp_path)
+    assert_one_line_error(run_cli(checkpoint, "--out", ""), "--out", "empty path")
+    assert_one_line_error(run_cli("", "--in-place"), "SOURCE", "empty path")
+    assert_one_line_error(run_cli("", "--out", tmp_path / "out"), "SOURCE", "empty path")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--check", "--out"])
+def test_a_fifo_as_config_json_in_the_source_is_named_and_never_read(checkpoint, tmp_path, mode, no_hang):
+    (checkpoint / "config.json").unlink()
+    os.mkfifo(checkpoint / "config.json")
+    before = snapshot(tmp_path)
+    args = [checkpoint, mode, *([tmp_path / "out"] if mode == "--out" else [])]
+    assert_one_line_error(run_cli(*args), str(checkpoint / "config.json"), "a FIFO (named pipe), not a regular file")
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "modeling_deepseek.py", ".moe-rewrite.json"])
+def test_a_fifo_in_out_is_named_and_never_read(checkpoint, tmp_path, name, no_hang):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / name)
+    assert_one_line_error(run_cli(checkpoint, "--out", out), str(out / name), "a FIFO", "where moe-rewrite would write")
+    assert [p.name for p in out.iterdir()] == [name]
+
+
+def test_a_fifo_as_source_or_modeling_file_says_what_it_is(checkpoint, tmp_path, no_hang):
+    fifo = tmp_path / "modeling.py"
+    os.mkfifo(fifo)
+    assert_one_line_error(run_cli(fifo, "--check"), str(fifo), "a FIFO (named pipe)", "not a .py file or a checkpoint")
+    (checkpoint / "modeling_deepseek.py").unlink()
+    os.mkfifo(checkpoint / "modeling_deepseek.py")
+    assert_one_line_error(run_cli(checkpoint, "--in-place"), "modeling_deepseek.py", "a FIFO", "not a regular file")
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--out"])
+def test_a_config_json_nested_too_deeply_is_one_line(checkpoint, tmp_path, mode):
+    (checkpoint / "config.json").write_text("[" * 100000)
+    before = snapshot(tmp_path)
+    args = [checkpoint, mode, *([tmp_path / "out"] if mode == "--out" else [])]
+    assert_one_line_error(run_cli(*args), str(checkpoint / "config.json"), "not valid JSON")
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_control_characters_in_file_names_are_escaped_on_the_one_line(tmp_path):
+    """A newline (or an escape) in a name must not split the one-line output, nor leave the name ambiguous."""
+    odd = tmp_path / "odd\ndir\x1b[31m"
+    odd.mkdir()
+    (odd / "broken.py").write_text("def f(:\n")
+    code, out, err = run_cli(odd / "broken.py", "--check")
+    assert_one_line_error((code, out, err), f"{tmp_path}/odd\\ndir\\x1b[31m/broken.py: syntax error")
+    assert_one_line_error(run_cli(odd, "--check"), f"{tmp_path}/odd\\ndir\\x1b[31m: no modeling_deepseek.py")
+    small = odd / "new\nline.py"
+    shutil.copyfile(Path(__file__).parent / "pairs" / "v3_basic.in.py", small)
+    code, out, err = run_cli(small, "--in-place")
+    assert code == 1 and out == "" and len(err.splitlines()) == 2 and err.endswith("\n1 file rewritten\n"), err
+    assert err.startswith(f"Rewriting {tmp_path}/odd\\ndir\\x1b[31m/new\\nline.py (V3 form")
