@@ -27,7 +27,7 @@ $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> installing $(TORCH) (CPU build; the largest download)"
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on "$(TORCH)"
-	@echo "==> installing moe-rewrite, transformers and triton (the demo extra)"
+	@echo "==> installing moe-rewrite and transformers (the demo extra)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[demo]"
 	touch $@
 

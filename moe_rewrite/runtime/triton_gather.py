@@ -2,13 +2,12 @@
 when asked), x's rows read once. CUDA with triton; triton is imported when the kernels are built, never at import.
 """
 
-from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks
+from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks, _moe_rewrite_triton_modules
 
 
 def _moe_rewrite_gather_kernels():
     """{"gather_rows": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
-    import triton
-    import triton.language as tl
+    triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
     def gather_rows(

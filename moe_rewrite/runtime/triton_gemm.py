@@ -3,6 +3,8 @@ expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_ge
 triton; triton is imported when the kernel is built, never at import.
 """
 
+from .triton_block import _moe_rewrite_triton_modules
+
 # The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
 # V3's sizes on an H200 (bench/NOTES.md, change 26)
 MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
@@ -10,8 +12,7 @@ MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
 
 def _moe_rewrite_gemm_kernels():
     """{"grouped_mm": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
-    import triton
-    import triton.language as tl
+    triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
     def grouped_mm(

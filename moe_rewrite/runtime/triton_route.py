@@ -4,13 +4,14 @@ same with about ten torch ops). CUDA with triton; triton is imported when the ke
 
 import torch
 
+from .triton_block import _moe_rewrite_triton_modules
+
 MOE_REWRITE_ROUTE_BLOCK = 4096  # routed rows per pass of the route kernel
 
 
 def _moe_rewrite_route_kernels():
     """{"route": the jitted kernel}. triton must be installed (dispatch.py's _moe_rewrite_build_triton asks)."""
-    import triton
-    import triton.language as tl
+    triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
     def route(ids, order, tokens, positions, offsets, rows, top_k, padding, BLOCK: tl.constexpr):

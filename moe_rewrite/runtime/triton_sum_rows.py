@@ -5,14 +5,13 @@ built, never at import.
 
 import torch
 
-from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks
+from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks, _moe_rewrite_triton_modules
 
 
 def _moe_rewrite_sum_rows_kernels():
     """{"sum_rows", "sum_rows_backward": the jitted kernels}. triton must be installed (dispatch.py's
     _moe_rewrite_build_triton asks)."""
-    import triton
-    import triton.language as tl
+    triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
     def sum_rows(rows, position, weight, out, top_k, hidden, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):

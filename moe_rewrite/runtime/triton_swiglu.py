@@ -5,14 +5,13 @@ kernels are built, never at import.
 
 import torch
 
-from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks
+from .triton_block import MOE_REWRITE_TRITON_BLOCK, _moe_rewrite_blocks, _moe_rewrite_triton_modules
 
 
 def _moe_rewrite_swiglu_kernels():
     """{"swiglu", "swiglu_backward": the jitted kernels}. triton must be installed (dispatch.py's
     _moe_rewrite_build_triton asks)."""
-    import triton
-    import triton.language as tl
+    triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
     def swiglu(gate_up, out, inter, BLOCK: tl.constexpr):
