@@ -102,7 +102,23 @@ def _expert_mlp_mutations(form: str) -> list[Mutation]:
             (f"                    {mlp}{call}{EXPERTS_ITER}", f"                    {cls}{call}{EXPERTS_ITER}"),
         )
 
+    moe = "DeepseekV3MoE" if form == "v3" else "DeepseekV2MoE"
+    attention = "DeepseekV3Attention" if form == "v3" else "DeepseekV2Attention"
+    moe_subclass = (
+        f"class PrunedMoE({moe}):\n    def __init__(self, config):\n        super().__init__(config)\n"
+        "        self.experts = nn.ModuleList(\n            [HalfMLP(config, intermediate_size=config.moe_intermediate_size)"
+        " for _ in range(config.n_routed_experts)]\n        )\n\n\n"
+        f"class HalfMLP({mlp}):\n    def forward(self, x):\n"
+        "        return 0.5 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\n\n\n"
+    )
     return [
+        Mutation(
+            form,
+            "expert_class_of_a_moe_subclass",
+            "refused",
+            ((f"class {attention}(nn.Module):\n", moe_subclass + f"class {attention}(nn.Module):\n"),),
+            why="HalfMLP.forward: `return 0.5 * self.down_proj(",
+        ),
         Mutation(
             form,
             "expert_bias",

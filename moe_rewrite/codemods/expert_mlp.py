@@ -2,10 +2,10 @@
 three projections' weights and the first expert's `act_fn`, so the file's expert class must compute exactly that, or
 the file is refused naming the difference. A check only: nothing is changed.
 
-The class X of the routed experts comes from the MoE class's `__init__`: every `self.experts = ...` there must be an
-`nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi else None` allowed in the
-`ep_size > 1` branch only). X (with its methods resolved through its in-file bases, down to nn.Module) must be the
-published MLP, up to names and formatting::
+The class X of the routed experts comes from the MoE class's `__init__` (and its in-file subclasses'): every
+`self.experts = ...` there must be an `nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi
+else None` allowed in the `ep_size > 1` branch only). X (with its methods resolved through its in-file bases, down to
+nn.Module) must be the published MLP, up to names and formatting::
 
     # Accepted
     class DeepseekV3MLP(nn.Module):
@@ -137,10 +137,22 @@ def _in_ep_branch(init: cst.FunctionDef, assign: cst.CSTNode) -> bool:
 
 
 def _expert_class(moe: str, classes: dict[str, cst.ClassDef]) -> str:
-    chain = _chain_or_any(moe, classes)
-    found = _resolve(chain, "__init__")
+    # the nearest __init__ that assigns self.experts; one that does not must hand over to its base's
+    found = None
+    for cls in _chain_or_any(moe, classes):
+        init = _methods(cls).get("__init__")
+        if init is None:
+            continue
+        if m.findall(init, SELF_EXPERTS):
+            found = cls.name.value, init
+            break
+        super_init = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+        if not m.findall(init, super_init):
+            break
     if found is None:
-        raise RewriteError(f"{moe}.__init__: not defined in this file, so moe-rewrite cannot see what the experts are")
+        raise RewriteError(
+            f"{moe}.__init__: no `self.experts = ...` in this file, so moe-rewrite cannot see the experts"
+        )
     owner, init = found
     where = f"{owner}.__init__"
     assigns = [
@@ -381,5 +393,9 @@ def check_expert_class(name: str, classes: dict[str, cst.ClassDef]) -> None:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     classes = _classes(module)
-    check_expert_class(_expert_class(context.moe_class().name, classes), classes)
+    moe = context.moe_class().name
+    # the MoE class and its in-file subclasses (one may build its experts from another class)
+    layers = [name for name in classes if classes[moe] in _chain_or_any(name, classes)]
+    for expert in sorted({_expert_class(name, classes) for name in layers}):
+        check_expert_class(expert, classes)
     return module

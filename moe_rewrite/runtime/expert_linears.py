@@ -20,10 +20,9 @@ def _moe_rewrite_linear_weights(experts, adapted=False):
     modules = _moe_rewrite_projections(experts)
     if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
         modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
-    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
-        return None
-    if any(m._parameters.get("bias") is not None for part in modules for m in part):  # the GEMMs add no bias
-        return None
+    # one pass: this runs for every layer and step of the per-expert layout
+    if any(type(m) is not torch.nn.Linear or m._parameters.get("bias") is not None for part in modules for m in part):
+        return None  # the GEMMs add no bias
     weights = tuple(
         [m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules
     )
