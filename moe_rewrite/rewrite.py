@@ -20,6 +20,7 @@ from moe_rewrite.codemods import (
     block,
     compat,
     expert_layout,
+    expert_mlp,
     gate,
     gradient_checkpointing,
     init_weights,
@@ -31,8 +32,18 @@ from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
 # The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
-# moe_forward finds the MoE class the later ones read; block, last, puts in the code of every section asked for.
-CODEMODS: list[Codemod] = [compat, gradient_checkpointing, init_weights, moe_forward, gate, expert_layout, block]
+# moe_forward finds the MoE class the later ones read (expert_mlp proves its experts' class); block, last, puts in
+# the code of every section asked for.
+CODEMODS: list[Codemod] = [
+    compat,
+    gradient_checkpointing,
+    init_weights,
+    moe_forward,
+    expert_mlp,
+    gate,
+    expert_layout,
+    block,
+]
 RESULT_READS: tuple[Field, ...] = ("moe", "compat")  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 

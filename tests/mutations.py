@@ -36,6 +36,12 @@ V3_INFER = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight)
 V3_BRANCH = "        if not self.training:\n" + V3_INFER
 V3_GUARD = "            assert not self.training\n"
 V3_MOE_START = "        residual = hidden_states\n        orig_shape = hidden_states.shape\n        topk_idx, topk_weight = self.gate"
+# The expert MLP class of both stand-ins (DeepseekV3MLP, DeepseekV2MLP) and the MoE's list of experts (ep_size == 1).
+MLP_FORWARD = "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\n"
+MLP_GATE = "        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)\n"
+MLP_ACT = "        self.act_fn = ACT2FN[config.hidden_act]\n"
+EXPERTS_LIST = "            self.experts = nn.ModuleList(\n"
+EXPERTS_ITER = "                    for _ in range(config.n_routed_experts)\n                ]\n            )\n"
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,174 @@ def _after(anchor: str, line: str) -> tuple[str, str]:
     return anchor, anchor + line
 
 
+def _expert_mlp_mutations(form: str) -> list[Mutation]:
+    """The expert MLP as people hand-edit it, in either form: what the grouped GEMMs would compute differently is
+    refused naming the class and statement; the same computation written otherwise is rewritten exactly."""
+    mlp = "DeepseekV3MLP" if form == "v3" else "DeepseekV2MLP"
+    # the second `self.experts = nn.ModuleList(` (ep_size == 1), anchored on the comprehension that follows it
+    experts_dict = (
+        EXPERTS_LIST + "                [\n                    " + mlp,
+        "            self.experts = nn.ModuleDict(\n                {\n                    str(_): " + mlp,
+    )
+    subclass = (
+        f"\n\nclass PrunedMLP({mlp}):\n    def forward(self, x):\n"
+        "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * 0.5\n"
+    )
+    same_subclass = (
+        f"\n\nclass RenamedMLP({mlp}):\n    def forward(self, hidden):\n"
+        "        return self.down_proj(self.up_proj(hidden) * self.act_fn(self.gate_proj(hidden)))\n"
+    )
+
+    def experts_of(cls: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        """Both branches' experts (ep_size > 1 and == 1) built from `cls`."""
+        call = (
+            "(\n                        config, intermediate_size=config.moe_intermediate_size\n                    )\n"
+        )
+        ep = "                    (\n                        "
+        return (
+            (f"{ep}{mlp}(\n", f"{ep}{cls}(\n"),
+            (f"                    {mlp}{call}{EXPERTS_ITER}", f"                    {cls}{call}{EXPERTS_ITER}"),
+        )
+
+    moe = "DeepseekV3MoE" if form == "v3" else "DeepseekV2MoE"
+    attention = "DeepseekV3Attention" if form == "v3" else "DeepseekV2Attention"
+    moe_subclass = (
+        f"class PrunedMoE({moe}):\n    def __init__(self, config):\n        super().__init__(config)\n"
+        "        self.experts = nn.ModuleList(\n            [HalfMLP(config, intermediate_size=config.moe_intermediate_size)"
+        " for _ in range(config.n_routed_experts)]\n        )\n\n\n"
+        f"class HalfMLP({mlp}):\n    def forward(self, x):\n"
+        "        return 0.5 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\n\n\n"
+    )
+    return [
+        Mutation(
+            form,
+            "expert_class_of_a_moe_subclass",
+            "refused",
+            ((f"class {attention}(nn.Module):\n", moe_subclass + f"class {attention}(nn.Module):\n"),),
+            why="HalfMLP.forward: `return 0.5 * self.down_proj(",
+        ),
+        Mutation(
+            form,
+            "expert_bias",
+            "refused",
+            ((MLP_GATE, MLP_GATE.replace("bias=False", "bias=True")),),
+            why=f"{mlp}.__init__: `self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=True)`",
+        ),
+        Mutation(
+            form,
+            "expert_gelu_hard_coded",
+            "refused",
+            ((MLP_FORWARD, MLP_FORWARD.replace("self.act_fn(", "F.gelu(")),),
+            why=f"{mlp}.forward: `return self.down_proj(F.gelu(",
+        ),
+        Mutation(
+            form,
+            "expert_output_scaled",
+            "refused",
+            ((MLP_FORWARD, MLP_FORWARD.replace("return self", "return 0.5 * self")),),
+            why=f"{mlp}.forward: `return 0.5 * self.down_proj(",
+        ),
+        Mutation(
+            form,
+            "expert_gate_up_swapped",
+            "refused",
+            (
+                (
+                    MLP_FORWARD,
+                    "        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))\n",
+                ),
+            ),
+            why=f"{mlp}.forward: `return self.down_proj(self.act_fn(self.up_proj(x))",
+        ),
+        Mutation(
+            form,
+            "expert_norm_inside",
+            "refused",
+            (
+                _after(MLP_ACT, "        self.norm = nn.LayerNorm(self.intermediate_size)\n"),
+                (
+                    MLP_FORWARD,
+                    "        return self.down_proj(self.norm(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))\n",
+                ),
+            ),
+            why=f"{mlp}.__init__: `self.norm = nn.LayerNorm(self.intermediate_size)`",
+        ),
+        Mutation(
+            form,
+            "expert_activation_per_expert",
+            "refused",
+            (
+                (
+                    MLP_ACT,
+                    '        self.act_fn = ACT2FN[config.hidden_act if intermediate_size is None else "gelu"]\n',
+                ),
+            ),
+            why=f"{mlp}.__init__: `self.act_fn = ACT2FN[config.hidden_act if",
+        ),
+        Mutation(
+            form,
+            "expert_subclass_own_forward",
+            "refused",
+            (_after(MLP_FORWARD, subclass), *experts_of("PrunedMLP")),
+            why="PrunedMLP.forward: `return self.down_proj(",
+        ),
+        Mutation(
+            form,
+            "expert_training_only_scale",
+            "refused",
+            (
+                (
+                    MLP_FORWARD,
+                    "        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\n"
+                    "        if self.training:\n            out = out * 0.5\n        return out\n",
+                ),
+            ),
+            why=f"{mlp}.forward: `if self.training: ...`",
+        ),
+        Mutation(
+            form,
+            "experts_in_a_module_dict",
+            "refused",
+            (
+                experts_dict,
+                (
+                    EXPERTS_ITER,
+                    "                    for _ in range(config.n_routed_experts)\n                }\n            )\n",
+                ),
+            ),
+            why="`self.experts = nn.ModuleDict(",
+        ),
+        Mutation(
+            form,
+            "expert_two_statements",
+            "exact",
+            (
+                (
+                    MLP_FORWARD,
+                    "        hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)  # the gated activation\n"
+                    "        down_proj = self.down_proj(\n            hidden\n        )\n        return down_proj\n",
+                ),
+            ),
+        ),
+        Mutation(
+            form,
+            "expert_product_other_order",
+            "exact",
+            ((MLP_FORWARD, "        return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))\n"),),
+        ),
+        Mutation(
+            form,
+            "expert_subclass_same_forward",
+            "exact",
+            (_after(MLP_FORWARD, same_subclass), *experts_of("RenamedMLP")),
+        ),
+    ]
+
+
 MUTATIONS = [
+    # Expert MLP, containers and expert subclasses (V3 and V2)
+    *_expert_mlp_mutations("v3"),
+    *_expert_mlp_mutations("v2"),
     # V2 form: around and inside the per-expert statements
     Mutation(
         "v2",

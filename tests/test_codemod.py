@@ -275,8 +275,21 @@ def test_moe_infer_untouched_and_eval_calls_it_through_moe_rewrite_infer():
 
 
 V3_MOE = """
+class E(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.h, config.i, bias=False)
+        self.up_proj = nn.Linear(config.h, config.i, bias=False)
+        self.down_proj = nn.Linear(config.i, config.h, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 class M:
     def __init__(self, config):
+        self.experts = nn.ModuleList([E(config) for _ in range(config.n_routed_experts)])
         self.gate = G(config)
 
     def forward(self, h):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import warnings
 
 import pytest
 
@@ -179,7 +181,7 @@ def test_fusing_what_cannot_be_fused_is_refused(tmp_path_factory):
     moe = moe_layer(model)
     old = moe.experts[2].up_proj
     moe.experts[2].up_proj = DoubledLinear(old.in_features, old.out_features, bias=False)
-    with pytest.raises(RuntimeError, match="plain, whole nn.Linear"):
+    with pytest.raises(RuntimeError, match="plain, whole, bias-free nn.Linear"):
         moe.moe_rewrite_fuse_experts()
     moe.experts[2].up_proj = old
     moe.experts[1].down_proj.weight.requires_grad_(False)
@@ -303,7 +305,7 @@ def test_fused_loading_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_facto
     monkeypatch.delenv("MOE_REWRITE_FUSE_EXPERTS")
     moe = moe_layer(model)
     moe.experts[0].gate_proj = torch.nn.Identity()  # stands in for a quantized or adapter-wrapped projection
-    with pytest.warns(UserWarning, match="1 MoE layers keep per-expert weights .*plain, whole nn.Linear"):
+    with pytest.warns(UserWarning, match="1 MoE layers keep per-expert weights .*plain, whole, bias-free nn.Linear"):
         model_module(model)._moe_rewrite_fuse_model(model)
     assert isinstance(moe.experts, torch.nn.ModuleList)
 
@@ -354,3 +356,155 @@ def test_fused_experts_under_ddp_get_averaged_gradients(tmp_path_factory, tmp_pa
     for name, p in moe_layer(model).experts.named_parameters():
         assert torch.equal(results[0][name], results[1][name]), name
         assert rel_err(results[0][name], p.grad) < REL, name
+
+
+# Experts the grouped GEMMs would compute differently stay unfused and run through the per-expert loop, which calls
+# the modules themselves; fusing never drops a parameter.
+class _ScaledExpert(torch.nn.Module):
+    """Another class than experts[0], with a forward of its own: twice the MLP."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = (
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            mlp.act_fn,
+        )
+
+    def forward(self, x):
+        return 2.0 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _biased(experts):
+    old = experts[1].up_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+        new.bias.uniform_(0.5, 1.0)
+    experts[1].up_proj = new
+
+
+def _extra_parameter(experts):  # not used by the forward: fusing would drop it from the state dict
+    experts[0].register_parameter("scale", torch.nn.Parameter(torch.ones(3)))
+
+
+GUARDED = {
+    "biased_projection": (_biased, "expert 1 holds up_proj.bias"),
+    "another_class": (lambda e: e.__setitem__(2, _ScaledExpert(e[2])), "expert 2 is a _ScaledExpert"),
+    "another_activation": (lambda e: setattr(e[3], "act_fn", torch.nn.GELU()), "expert 3's act_fn differs"),
+    "extra_parameter": (_extra_parameter, "expert 0 holds scale"),
+    "buffer_in_a_projection": (
+        lambda e: e[4].down_proj.register_buffer("mask", torch.ones(1)),
+        "expert 4 holds down_proj.mask",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def default_v3(tmp_path_factory):
+    """One default rewrite (fused loading) shared by the guard's tests."""
+    return patched_checkpoint(tmp_path_factory, "v3")
+
+
+def _unfused(ckpt, monkeypatch):
+    runtime_env(monkeypatch, "MOE_REWRITE_FUSE_EXPERTS", "0")
+    model = build_model(ckpt, seed=3)
+    runtime_env(monkeypatch, "MOE_REWRITE_FUSE_EXPERTS", None)
+    return model
+
+
+@pytest.mark.parametrize("edit", GUARDED, ids=list(GUARDED))
+def test_experts_the_grouped_gemms_would_compute_differently_are_never_fused(default_v3, monkeypatch, edit):
+    from helpers import reference, routing
+
+    model = _unfused(default_v3, monkeypatch)
+    moe = moe_layer(model).train()
+    change, reason = GUARDED[edit]
+    change(moe.experts)
+    keys = set(model.state_dict())
+    with pytest.warns(UserWarning, match=f"1 MoE layers keep per-expert weights .*{reason}"):
+        model_module(model)._moe_rewrite_fuse_model(model)
+    assert type(moe.experts) is torch.nn.ModuleList and set(model.state_dict()) == keys  # nothing dropped
+    with pytest.raises(RuntimeError, match=reason):
+        fuse_experts(model)
+    own = copy.deepcopy(moe.experts)
+    x = torch.randn(10, moe.config.hidden_size, requires_grad=True)
+    ids, w = routing(10, len(moe.experts), 2)
+    w = w.float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loop's warning, said once per process
+        y = moe.moe_train(x, ids, w)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = reference(own, x_ref, ids, w)
+    assert rel_err(y, y_ref) < REL
+    probe = torch.randn_like(y)
+    (y * probe).sum().backward()
+    (y_ref * probe).sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < REL
+    grads = dict(own.named_parameters())
+    for name, p in moe.experts.named_parameters():
+        if grads[name].grad is None:
+            assert p.grad is None or torch.count_nonzero(p.grad) == 0, name
+        else:
+            assert rel_err(p.grad, grads[name].grad) < REL, name
+
+
+@pytest.mark.parametrize("container", ["module_dict", "none_expert"])
+def test_from_pretrained_keeps_a_module_dict_or_a_none_expert_unfused(default_v3, tmp_path, monkeypatch, container):
+    """Experts in an nn.ModuleDict, or a None expert with ep_size == 1 (hand-edited files moe-rewrite refuses, made
+    here by patching the MoE class): from_pretrained loads them as they are, with a warning, and training runs the
+    per-expert loop (a token routed to the None expert is an error naming it, as the file's own loop fails)."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(default_v3, seed=4)
+    model.save_pretrained(tmp_path / "weights")
+    ckpt = tmp_path / f"ckpt_{container}"
+    shutil.copytree(default_v3, ckpt)
+    shutil.copy(tmp_path / "weights" / "model.safetensors", ckpt / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, torch_dtype=torch.float32)
+    moe_class = type(moe_layer(loaded))
+    init = moe_class.__init__
+
+    def edited(self, config):
+        init(self, config)
+        if container == "module_dict":
+            self.experts = torch.nn.ModuleDict({str(i): e for i, e in enumerate(self.experts)})
+        else:
+            self.experts[len(self.experts) - 1] = None
+
+    monkeypatch.setattr(moe_class, "__init__", edited)
+    reason = "not an nn.ModuleList" if container == "module_dict" else "expert 7 is None"
+    with pytest.warns(UserWarning, match=f"MoE layers keep per-expert weights .*{reason}"):
+        edited_model = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, torch_dtype=torch.float32)
+    moe = moe_layer(edited_model).train()
+    assert type(moe.experts) is (torch.nn.ModuleDict if container == "module_dict" else torch.nn.ModuleList)
+    x = torch.randn(6, moe.config.hidden_size)
+    ids = torch.randint(0, len(moe.experts) - 1, (6, 2))  # never the last expert
+    w = torch.rand(6, 2)
+    from helpers import reference
+
+    experts = list(moe.experts.values()) if container == "module_dict" else list(moe.experts)
+    with pytest.warns(UserWarning, match=reason):
+        y = moe.moe_train(x, ids, w)
+    assert rel_err(y, reference(experts, x, ids, w)) < REL
+    if container == "none_expert":
+        with pytest.raises(RuntimeError, match="tokens are routed to expert 7, which is None"):
+            moe.moe_train(x, torch.full((6, 2), 7), w)
+
+
+@pytest.mark.parametrize("edit", ["biased_projection", "another_class", "another_activation"])
+def test_per_expert_layout_runs_experts_it_cannot_compute_through_the_loop(patched, form, edit):
+    """--no-fuse-experts: the grouped GEMMs read the per-expert layers' weights at every step; experts they would
+    compute differently run through the loop instead (V3 and V2)."""
+    from helpers import reference, routing
+
+    moe = moe_layer(build_model(patched, seed=3)).train()
+    GUARDED[edit][0](moe.experts)
+    own = copy.deepcopy(moe.experts)
+    x = torch.randn(10, moe.config.hidden_size)
+    ids, w = routing(10, len(moe.experts), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = moe.moe_train(x, ids, w.float())
+    assert rel_err(y, reference(own, x, ids, w.float())) < REL

@@ -56,7 +56,22 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
     shutil.copy(tmp_path / "weights" / "model.safetensors", variant / "model.safetensors")
     from transformers import AutoModelForCausalLM
 
-    own = AutoModelForCausalLM.from_pretrained(variant, trust_remote_code=True, torch_dtype=torch.float32).train()
+    own, info = AutoModelForCausalLM.from_pretrained(
+        variant, trust_remote_code=True, torch_dtype=torch.float32, output_loading_info=True
+    )
+    own.train()
+    # save_pretrained of the default (fused) layout writes exactly the variant's own keys: nothing dropped or added
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "weights" / "model.safetensors", "pt") as saved:
+        assert set(saved.keys()) == set(own.state_dict())
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    # and the saved checkpoint reloads into the rewritten class with the same logits
+    shutil.copy(tmp_path / "weights" / "model.safetensors", out / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, torch_dtype=torch.float32)
+    probe = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert (reloaded.eval()(input_ids=probe).logits - rewritten.eval()(input_ids=probe).logits).abs().max() <= 1e-6
     if mutation.form == "v3":
         _eval_branch_with_grads(own)
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))

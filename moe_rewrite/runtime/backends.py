@@ -53,10 +53,16 @@ def _moe_rewrite_sonicmoe_experts(x, topk_ids, topk_weight, weights, dtype):
 
 def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
     """The naive per-expert loop (the published V2 training path): backend "loop", and experts whose weights the core
-    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions)."""
+    cannot read (quantized projections, adapters it cannot reproduce, DeepSpeed ZeRO-3 partitions) or would compute
+    differently (expert_linears._moe_rewrite_experts_differ)."""
     flat_ids = topk_ids.view(-1)
     x = x.repeat_interleave(topk_ids.shape[1], dim=0)
     y = torch.empty_like(x)
-    for i, expert in enumerate(experts):
+    modules = experts.values() if isinstance(experts, torch.nn.ModuleDict) else experts  # expert i: the i-th value
+    for i, expert in enumerate(modules):
+        if expert is None:  # a slot left empty (another rank's expert): an error only when a token chose it
+            if (flat_ids == i).any():
+                raise RuntimeError(f"moe-rewrite: tokens are routed to expert {i}, which is None")
+            continue
         y[flat_ids == i] = expert(x[flat_ids == i])
     return _moe_rewrite_combine(y, topk_weight)

@@ -11,17 +11,18 @@ MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def _moe_rewrite_linear_weights(experts, adapted=False):
     """The per-expert layers' gate, up and down weights as three lists; None when an expert must be called as a module:
-    projections that are not plain nn.Linear layers (quantized layers; LoRA adapters unless `adapted`, when the
-    adapted layers' base weights count), or weights that are not there in full (DeepSpeed ZeRO-3 gathers them in the
-    module's own forward hook).
+    projections that are not plain, bias-free nn.Linear layers (quantized layers; LoRA adapters unless `adapted`,
+    when the adapted layers' base weights count), or weights that are not there in full (DeepSpeed ZeRO-3 gathers
+    them in the module's own forward hook).
     """
     # nn.Module's own dicts (_modules, _parameters), not getattr: nn.Module.__getattr__ costs about a microsecond per
     # lookup, 6 * E lookups per layer and step. FSDP without use_orig_params sets the weight as a plain attribute.
     modules = _moe_rewrite_projections(experts)
     if adapted:  # PEFT's LoRA layers hold the original layer as base_layer
         modules = [[m._modules.get("base_layer", m) if m is not None else None for m in part] for part in modules]
-    if any(type(m) is not torch.nn.Linear for part in modules for m in part):
-        return None
+    # one pass: this runs for every layer and step of the per-expert layout
+    if any(type(m) is not torch.nn.Linear or m._parameters.get("bias") is not None for part in modules for m in part):
+        return None  # the GEMMs add no bias
     weights = tuple(
         [m._parameters["weight"] if "weight" in m._parameters else m.weight for m in part] for part in modules
     )
@@ -31,6 +32,58 @@ def _moe_rewrite_linear_weights(experts, adapted=False):
     if weights[2][-1].shape != (last.out_features, last.in_features):
         return None
     return weights
+
+
+def _moe_rewrite_experts_differ(experts):
+    """Why the grouped GEMMs cannot compute these routed experts as the modules themselves do, or None when they can:
+    every expert computes down(act_fn(gate(x)) * up(x)) with experts[0]'s act_fn. A reason: a container other than
+    an nn.ModuleList, a None expert, an expert of another class than experts[0], or with its own forward, forward
+    hooks, parameters, buffers or submodules besides the three projections and act_fn, or another act_fn. The
+    projections themselves are checked where their weights are read (_moe_rewrite_linear_weights, and the fuse).
+
+    Checked once per list of expert modules (kept on the container): each step then costs one list comparison."""
+    if not isinstance(experts, torch.nn.ModuleList):
+        return f"the experts are a {type(experts).__name__}, not an nn.ModuleList"
+    modules = list(experts._modules.values())
+    checked = experts.__dict__.get("_moe_rewrite_checked")
+    if checked is not None and checked[0] == modules:
+        return checked[1]
+    reason = _moe_rewrite_expert_difference(modules)
+    experts.__dict__["_moe_rewrite_checked"] = (modules, reason)
+    return reason
+
+
+def _moe_rewrite_expert_difference(modules):
+    if not modules:
+        return "there are no experts"
+    first = modules[0]
+    if first is None:
+        return "expert 0 is None"
+    act_fn = getattr(first, "act_fn", None)
+    for i, expert in enumerate(modules):
+        if expert is None:
+            return f"expert {i} is None"
+        if type(expert) is not type(first):
+            return f"expert {i} is a {type(expert).__name__}, expert 0 a {type(first).__name__}"
+        if "forward" in expert.__dict__ or expert._forward_hooks or expert._forward_pre_hooks:
+            return f"expert {i} has a forward of its own or forward hooks"
+        extra = [*expert._parameters, *expert._buffers, *(set(expert._modules) - {*MOE_REWRITE_PROJECTIONS, "act_fn"})]
+        if extra:
+            return f"expert {i} holds {', '.join(sorted(extra))} besides its three projections and act_fn"
+        if not _moe_rewrite_same_act(getattr(expert, "act_fn", None), act_fn):
+            return f"expert {i}'s act_fn differs from expert 0's"
+    return None
+
+
+def _moe_rewrite_same_act(a, b):
+    """Whether two activations compute the same: one object, or modules of one class with the same settings and no
+    parameters, buffers or submodules."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, torch.nn.Module) or a._parameters or a._buffers or a._modules:
+        return False
+    settings = [{k: v for k, v in vars(m).items() if not k.startswith("_")} for m in (a, b)]
+    return settings[0] == settings[1]
 
 
 class _MoeRewriteExpertLinears:

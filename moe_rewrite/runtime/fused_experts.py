@@ -9,6 +9,7 @@ from .backends import _moe_rewrite_loop
 from .expert_linears import (
     MOE_REWRITE_PROJECTIONS,
     _moe_rewrite_adapters,
+    _moe_rewrite_experts_differ,
     _moe_rewrite_linear_weights,
     _moe_rewrite_projections,
 )
@@ -162,25 +163,37 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         return experts.gate_up_proj[self.index, self.rows]
 
 
-def _moe_rewrite_warn_unfused():
-    """Experts that could be fused but are not run through the per-expert loop: say so, once per process."""
+def _moe_rewrite_warn_unfused(reason=None):
+    """Experts that are not fused run through the per-expert loop: say so, and why, once per process and reason.
+    No `reason`: they could be fused."""
     import warnings
 
-    warnings.warn(
-        "moe-rewrite: these routed experts are not fused, so they train through the slow per-expert loop; fuse them "
-        "with moe_rewrite.training.fuse_experts(model), or rewrite with --no-fuse-experts to train them as they are",
-        stacklevel=4,
-    )
+    if reason is not None:
+        message = (
+            f"moe-rewrite: these routed experts are not what the grouped GEMMs compute ({reason}), so they stay "
+            "unfused and train through the slow per-expert loop, as the modules themselves compute"
+        )
+    else:
+        message = (
+            "moe-rewrite: these routed experts are not fused, so they train through the slow per-expert loop; fuse "
+            "them with moe_rewrite.training.fuse_experts(model), or rewrite with --no-fuse-experts to train them as "
+            "they are"
+        )
+    warnings.warn(message, stacklevel=4)
 
 
 class MoE:
     def moe_rewrite_expert_weights(self):
         """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
-        loop runs (experts that are not fused: quantized, or loaded with MOE_REWRITE_FUSE_EXPERTS=0)."""
+        loop runs (experts that are not fused: quantized, other than what the grouped GEMMs compute, or loaded with
+        MOE_REWRITE_FUSE_EXPERTS=0)."""
         experts, wrappers = _moe_rewrite_unwrap(self.experts)
         if isinstance(experts, _MoeRewriteFusedExperts):
             return experts.moe_rewrite_weights(wrappers)
-        if isinstance(experts, torch.nn.ModuleList) and _moe_rewrite_linear_weights(experts) is not None:
+        reason = _moe_rewrite_experts_differ(experts)
+        if reason is not None:
+            _moe_rewrite_warn_unfused(reason)
+        elif _moe_rewrite_linear_weights(experts) is not None:
             _moe_rewrite_warn_unfused()
         return None
 
@@ -198,11 +211,24 @@ class MoE:
             return experts
         if self.ep_size > 1:
             raise NotImplementedError("moe-rewrite: fused experts do not support expert parallelism (ep_size > 1) yet")
+        # An explicit check first: experts the grouped GEMMs would compute differently (another class, a None
+        # expert, a ModuleDict) stay as they are, and fusing never drops a parameter or buffer.
+        reason = _moe_rewrite_experts_differ(experts)
+        if reason is not None:
+            raise RuntimeError(f"moe-rewrite: these experts cannot be fused: {reason}")
+        for i, expert in enumerate(experts):
+            held = {name for name, _ in expert.named_parameters()} | {name for name, _ in expert.named_buffers()}
+            extra = held - {f"{name}.weight" for name in MOE_REWRITE_PROJECTIONS}
+            if extra:
+                raise RuntimeError(
+                    f"moe-rewrite: expert {i} holds {', '.join(sorted(extra))}, which the grouped GEMMs do not "
+                    "compute; fusing would drop it, so these experts stay as they are"
+                )
         weights = _moe_rewrite_linear_weights(experts)
         if weights is None:
             raise RuntimeError(
-                "moe-rewrite: only experts made of plain, whole nn.Linear layers can be fused (not LoRA adapters, "
-                "quantized layers or DeepSpeed ZeRO-3 partitions)"
+                "moe-rewrite: only experts made of plain, whole, bias-free nn.Linear layers can be fused (not LoRA "
+                "adapters, quantized layers or DeepSpeed ZeRO-3 partitions)"
             )
         flat = [w for part in weights for w in part]
         if getattr(self, "_is_fsdp_managed_module", False) or any(type(w) is not torch.nn.Parameter for w in flat):

@@ -104,7 +104,7 @@ class MoE:
         if weights is not None:
             experts = weights.gate_up.shape[0]
             return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, experts, kernel, dtype, out_dtype)
-        if isinstance(self.experts, torch.nn.ModuleList):
+        if isinstance(self.experts, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             y = _moe_rewrite_loop(self.experts, x, topk_ids, topk_weight)
         else:  # fused experts, or PEFT's wrappers around them: their own forward (a loop over the experts)
             y = self.experts(x, topk_ids, topk_weight)

@@ -8,11 +8,12 @@ import torch
 
 from .expert_linears import (
     _moe_rewrite_adapters,
+    _moe_rewrite_experts_differ,
     _moe_rewrite_linear_weights,
     _moe_rewrite_projections,
     _MoeRewriteExpertLinears,
 )
-from .fused_experts import _MoeRewriteFusedExperts
+from .fused_experts import _moe_rewrite_warn_unfused, _MoeRewriteFusedExperts
 from .grouped_linear import _MoeRewriteExpertMLP
 from .parameter_lora import _moe_rewrite_unwrap
 
@@ -20,12 +21,17 @@ from .parameter_lora import _moe_rewrite_unwrap
 class MoE:
     def moe_rewrite_expert_weights(self):
         """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
-        loop runs (projections that are not nn.Linear layers, as PEFT's LoRA layers over them: quantized layers,
-        ZeRO-3 partitions; LoRA adapters the grouped GEMMs cannot reproduce, see _moe_rewrite_lora)."""
+        loop runs (experts other than what the grouped GEMMs compute, see _moe_rewrite_experts_differ; projections
+        that are not bias-free nn.Linear layers, as PEFT's LoRA layers over them: quantized layers, ZeRO-3
+        partitions; LoRA adapters the grouped GEMMs cannot reproduce, see _moe_rewrite_lora)."""
         experts, wrappers = _moe_rewrite_unwrap(self.experts)
         if isinstance(experts, _MoeRewriteFusedExperts):  # fused at run time
             return experts.moe_rewrite_weights(wrappers)
         if not isinstance(experts, torch.nn.ModuleList) or wrappers:
+            return None
+        reason = _moe_rewrite_experts_differ(experts)
+        if reason is not None:
+            _moe_rewrite_warn_unfused(reason)
             return None
         weights = _moe_rewrite_linear_weights(experts, adapted=True)
         adapters = _moe_rewrite_adapters(_moe_rewrite_projections(experts)) if weights is not None else None

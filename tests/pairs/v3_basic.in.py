@@ -2,6 +2,19 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
+
+
+class DeepseekV3MLP(nn.Module):
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEGate(nn.Module):
@@ -20,6 +33,9 @@ class MoEGate(nn.Module):
 class DeepseekV3MoE(nn.Module):
     def __init__(self, config):
         super().__init__()
+        self.experts = nn.ModuleList(
+            [DeepseekV3MLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_routed_experts)]
+        )
         self.config = config
         self.gate = MoEGate(config)
 

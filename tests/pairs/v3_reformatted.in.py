@@ -1,6 +1,23 @@
 # A V3-form MoE as another publisher might reformat it: other wrapping, quotes, comments and names.
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
+
+
+class Expert(nn.Module):
+
+    def __init__(self, config, intermediate_size = None):
+        super(Expert, self).__init__()
+        hidden = config.hidden_size
+        self.gate_proj = nn.Linear(hidden, intermediate_size, bias = False)
+        self.up_proj   = nn.Linear(hidden, intermediate_size, bias = False)
+        self.down_proj = nn.Linear(intermediate_size, hidden, bias = False)
+        self.act_fn = ACT2FN[ config.hidden_act ]
+
+    def forward(self, x):
+        h = self.up_proj(x) * self.act_fn(self.gate_proj(x))
+        out = self.down_proj(h)
+        return out
 
 
 class Router(nn.Module):
@@ -17,6 +34,9 @@ class DeepseekV3MoE(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        self.experts = nn.ModuleList(
+            [Expert(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.n_routed_experts)]
+        )
         self.gate = Router(config)   # the router
 
     def forward(self, x):

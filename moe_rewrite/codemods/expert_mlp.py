@@ -1,0 +1,401 @@
+"""Prove the expert MLP: the grouped GEMMs compute every routed expert as `down(act_fn(gate(x)) * up(x))` from the
+three projections' weights and the first expert's `act_fn`, so the file's expert class must compute exactly that, or
+the file is refused naming the difference. A check only: nothing is changed.
+
+The class X of the routed experts comes from the MoE class's `__init__` (and its in-file subclasses'): every
+`self.experts = ...` there must be an `nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi
+else None` allowed in the `ep_size > 1` branch only). X (with its methods resolved through its in-file bases, down to
+nn.Module) must be the published MLP, up to names and formatting::
+
+    # Accepted
+    class DeepseekV3MLP(nn.Module):
+        def __init__(self, config, hidden_size=None, intermediate_size=None):
+            super().__init__()
+            self.config = config
+            self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+            self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+            self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+            self.act_fn = ACT2FN[config.hidden_act]
+
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # or with the product swapped
+            return down_proj
+
+    # Refused (examples)
+    self.experts = nn.ModuleDict({str(i): DeepseekV3MLP(config) for i in range(n)})   # not an nn.ModuleList
+    self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=True)   # a bias the GEMMs drop
+    self.norm = nn.LayerNorm(self.intermediate_size)                                  # a submodule they skip
+    return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))                # not act_fn
+    return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))           # gate and up swapped
+    class PrunedMLP(DeepseekV3MLP): def forward(self, x): ...                        # checked as its own forward
+"""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+import libcst.matchers as m
+
+from moe_rewrite.codemods import Context, Field
+from moe_rewrite.errors import RewriteError
+
+READS: tuple[Field, ...] = ("moe",)
+PROVIDES: tuple[Field, ...] = ()
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+NN = m.Name("nn") | m.Attribute(value=m.Name("torch"), attr=m.Name("nn"))
+NN_MODULE = m.Attribute(value=NN, attr=m.Name("Module")) | m.Name("Module")
+NN_LINEAR = m.Attribute(value=NN, attr=m.Name("Linear")) | m.Name("Linear")
+NN_MODULE_LIST = m.Attribute(value=NN, attr=m.Name("ModuleList")) | m.Name("ModuleList")
+SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
+SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")), args=[]) | m.Call(
+    func=m.Attribute(value=NN_MODULE, attr=m.Name("__init__")), args=[m.Arg(m.Name("self"))]
+)
+EXPECTED_FORWARD = "self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"
+
+
+def _code(node: cst.CSTNode) -> str:
+    """A statement or expression on one line (its first line, then ` ...`), for an error message."""
+    text = cst.Module(body=[]).code_for_node(node).strip()
+    return " ".join(text.split("\n")[0].split()) + (" ..." if "\n" in text else "")
+
+
+def _ast(node: cst.CSTNode) -> ast.AST:
+    """An expression as Python's AST (equal up to formatting, comments and redundant parentheses)."""
+    return ast.parse(cst.Module(body=[]).code_for_node(node).strip(), mode="eval").body
+
+
+def _classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+
+
+def _chain(name: str, classes: dict[str, cst.ClassDef], where: str) -> list[cst.ClassDef]:
+    """The class and its in-file bases, nearest first, one base each, ending in nn.Module; else refused."""
+    chain = [classes[name]]
+    while True:
+        cls = chain[-1]
+        bases = [b.value for b in cls.bases]
+        if len(bases) != 1 or cls.keywords:
+            raise RewriteError(f"{where}: {cls.name.value} should have one base class (nn.Module or an in-file class)")
+        if m.matches(bases[0], NN_MODULE):
+            return chain
+        base = bases[0].value if isinstance(bases[0], cst.Name) else None
+        if base not in classes or classes[base] in chain:
+            raise RewriteError(
+                f"{where}: {cls.name.value}'s base `{_code(bases[0])}` is not nn.Module or a class of this file"
+            )
+        chain.append(classes[base])
+
+
+def _resolve(chain: list[cst.ClassDef], method: str) -> tuple[str, cst.FunctionDef] | None:
+    for cls in chain:
+        found = _methods(cls).get(method)
+        if found is not None:
+            return cls.name.value, found
+    return None
+
+
+def _statements(fn: cst.FunctionDef, where: str) -> list[cst.BaseSmallStatement | cst.BaseCompoundStatement]:
+    """The function's statements, a docstring left out, each small statement on its own."""
+    if not isinstance(fn.body, cst.IndentedBlock):
+        return list(fn.body.body)
+    found: list[cst.BaseSmallStatement | cst.BaseCompoundStatement] = []
+    for i, stmt in enumerate(fn.body.body):
+        if isinstance(stmt, cst.SimpleStatementLine):
+            small = list(stmt.body)
+            if i == 0 and m.matches(small[0], m.Expr(m.SimpleString() | m.ConcatenatedString())):
+                small = small[1:]
+            found += small
+        else:
+            found.append(stmt)
+    return found
+
+
+def _params(fn: cst.FunctionDef) -> list[str]:
+    return [p.name.value for p in fn.params.params]
+
+
+# --- the MoE class: which class the routed experts are -------------------------------------------------------------
+
+
+def _in_ep_branch(init: cst.FunctionDef, assign: cst.CSTNode) -> bool:
+    """Whether `assign` sits in the body (not the else) of an `if ... ep_size > 1:` in `init`."""
+    greater = m.Comparison(comparisons=[m.ComparisonTarget(operator=m.GreaterThan(), comparator=m.Integer("1"))])
+    for branch in m.findall(init, m.If()):
+        branch = cst.ensure_type(branch, cst.If)
+        tests = [cst.ensure_type(c, cst.Comparison) for c in m.findall(branch.test, greater)]
+        mentions_ep = any("ep_size" in _code(c.left) for c in tests)
+        if mentions_ep and any(node is assign for node in m.findall(branch.body, m.Assign())):
+            return True
+    return False
+
+
+def _expert_class(moe: str, classes: dict[str, cst.ClassDef]) -> str:
+    # the nearest __init__ that assigns self.experts; one that does not must hand over to its base's
+    found = None
+    for cls in _chain_or_any(moe, classes):
+        init = _methods(cls).get("__init__")
+        if init is None:
+            continue
+        if m.findall(init, SELF_EXPERTS):
+            found = cls.name.value, init
+            break
+        super_init = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+        if not m.findall(init, super_init):
+            break
+    if found is None:
+        raise RewriteError(
+            f"{moe}.__init__: no `self.experts = ...` in this file, so moe-rewrite cannot see the experts"
+        )
+    owner, init = found
+    where = f"{owner}.__init__"
+    assigns = [
+        cst.ensure_type(a, cst.Assign)
+        for a in m.findall(init, m.Assign(targets=[m.ZeroOrMore(), m.AssignTarget(SELF_EXPERTS), m.ZeroOrMore()]))
+    ]
+    if not assigns or len(m.findall(init, SELF_EXPERTS)) != len(assigns):
+        raise RewriteError(
+            f"{where}: the routed experts should be assigned as `self.experts = nn.ModuleList([...])` and not used "
+            "otherwise there"
+        )
+    names = set()
+    for assign in assigns:
+        value = assign.value
+        if not m.matches(value, m.Call(func=NN_MODULE_LIST)):
+            raise RewriteError(
+                f"{where}: `self.experts = {_code(value)}` is not an nn.ModuleList, which moe-rewrite's grouped "
+                "experts need"
+            )
+        call = cst.ensure_type(value, cst.Call)
+        comp = call.args[0].value if len(call.args) == 1 and not call.args[0].keyword else None
+        if not isinstance(comp, (cst.ListComp, cst.GeneratorExp)):
+            raise RewriteError(
+                f"{where}: `self.experts = {_code(value)}` should build its experts in one comprehension "
+                "(`nn.ModuleList([X(config, ...) for i in range(...)])`)"
+            )
+        expert = comp.elt
+        if isinstance(expert, cst.IfExp):
+            if not m.matches(expert.orelse, m.Name("None")) or not _in_ep_branch(init, assign):
+                raise RewriteError(
+                    f"{where}: `{_code(expert)}`: a conditional expert is accepted only as `X(...) if ... else None` "
+                    "under `if ... ep_size > 1:`"
+                )
+            expert = expert.body
+        if not m.matches(expert, m.Call(func=m.Name())):
+            raise RewriteError(f"{where}: the expert `{_code(expert)}` is not a call of an expert class")
+        name = cst.ensure_type(cst.ensure_type(expert, cst.Call).func, cst.Name).value
+        if name not in classes:
+            raise RewriteError(f"{where}: the expert class {name} is not defined in this file")
+        names.add(name)
+    if len(names) != 1:
+        raise RewriteError(f"{where}: the experts are built from different classes ({', '.join(sorted(names))})")
+    return names.pop()
+
+
+def _chain_or_any(name: str, classes: dict[str, cst.ClassDef]) -> list[cst.ClassDef]:
+    """The MoE class and the in-file bases it inherits from (its own base may be anything)."""
+    chain = [classes[name]]
+    while len(chain[-1].bases) == 1 and isinstance(chain[-1].bases[0].value, cst.Name):
+        base = classes.get(cst.ensure_type(chain[-1].bases[0].value, cst.Name).value)
+        if base is None or base in chain:
+            break
+        chain.append(base)
+    return chain
+
+
+# --- the expert class ----------------------------------------------------------------------------------------------
+
+
+def _check_class_bodies(chain: list[cst.ClassDef]) -> None:
+    """Each class of the chain holds only a docstring, __init__ and forward: any other member (a method the experts'
+    callers might run, a class attribute) is something the grouped GEMMs do not reproduce."""
+    for cls in chain:
+        for i, stmt in enumerate(cls.body.body):
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value in ("__init__", "forward"):
+                if stmt.decorators:
+                    raise RewriteError(f"{cls.name.value}.{stmt.name.value}: decorated; moe-rewrite cannot prove it")
+                continue
+            docstring = m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])
+            if i == 0 and m.matches(stmt, docstring) or m.matches(stmt, m.SimpleStatementLine(body=[m.Pass()])):
+                continue
+            raise RewriteError(
+                f"{cls.name.value}: `{_code(stmt)}` in the expert class; moe-rewrite's grouped experts compute "
+                "only the published expert MLP (__init__ and forward)"
+            )
+
+
+def _check_init(owner: str, init: cst.FunctionDef) -> None:
+    where = f"{owner}.__init__"
+    params = _params(init)
+    if len(params) < 2 or params[0] != "self" or isinstance(init.params.star_arg, cst.Param) or init.params.star_kwarg:
+        raise RewriteError(f"{where}: expected `def __init__(self, config, ...)` with no *args or **kwargs")
+    config = params[1]
+    known = set(params)  # names a plain attribute may be computed from
+    found: dict[str, cst.Call | cst.BaseExpression] = {}
+    for stmt in _statements(init, where):
+        if isinstance(stmt, cst.Expr) and m.matches(stmt.value, SUPER_INIT):
+            continue
+        target = (
+            stmt.targets[0].target if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 else None
+        )  # one target: `a = b = ...` is refused below
+        if isinstance(target, cst.Name) and target.value not in (config, "self"):
+            _check_plain(stmt, known, where)
+            known.add(target.value)
+            continue
+        if m.matches(target, m.Attribute(value=m.Name("self"), attr=m.Name())):
+            attr = cst.ensure_type(target, cst.Attribute).attr.value
+            if attr in found:
+                raise RewriteError(f"{where}: `{_code(stmt)}` assigns self.{attr} a second time")
+            value = cst.ensure_type(stmt, cst.Assign).value
+            if attr in (*PROJECTIONS, "act_fn"):
+                found[attr] = value
+            else:
+                _check_plain(stmt, known, where)
+            continue
+        raise RewriteError(
+            f"{where}: `{_code(stmt)}` is not in the published expert MLP; moe-rewrite's grouped experts read only "
+            "the three bias-free projections and act_fn"
+        )
+    missing = [name for name in (*PROJECTIONS, "act_fn") if name not in found]
+    if missing:
+        raise RewriteError(f"{where}: no `self.{missing[0]} = ...`; the expert MLP needs gate, up and down projections")
+    shapes = {}
+    for name in PROJECTIONS:
+        call = found[name]
+        bias = [a for a in getattr(call, "args", ()) if a.keyword is not None]
+        positional = [a for a in getattr(call, "args", ()) if a.keyword is None]
+        if (
+            not m.matches(call, m.Call(func=NN_LINEAR))
+            or len(positional) != 2
+            or any(a.star for a in positional)
+            or len(bias) != 1
+            or not m.matches(bias[0], m.Arg(keyword=m.Name("bias"), value=m.Name("False")))
+        ):
+            raise RewriteError(
+                f"{where}: `self.{name} = {_code(call)}` is not `nn.Linear(in, out, bias=False)`; moe-rewrite's "
+                "grouped experts have no bias"
+            )
+        shapes[name] = tuple(ast.dump(_ast(a.value)) for a in positional)
+    gate, up, down = (shapes[name] for name in PROJECTIONS)
+    if up != gate or down != gate[::-1]:
+        raise RewriteError(
+            f"{where}: the projections' sizes differ from the expert MLP's: gate_proj and up_proj should both be "
+            "nn.Linear(hidden, intermediate, ...) and down_proj nn.Linear(intermediate, hidden, ...)"
+        )
+    act = found["act_fn"]
+    expected = m.Subscript(
+        value=m.Name("ACT2FN"),
+        slice=[m.SubscriptElement(m.Index(m.Attribute(value=m.Name(config), attr=m.Name("hidden_act"))))],
+    )
+    if not m.matches(act, expected) or config in _assigned(init):
+        raise RewriteError(
+            f"{where}: `self.act_fn = {_code(act)}` is not `ACT2FN[{config}.hidden_act]` with {config} the "
+            "parameter as passed"
+        )
+
+
+def _assigned(fn: cst.FunctionDef) -> set[str]:
+    targets = [cst.ensure_type(t, cst.AssignTarget).target for t in m.findall(fn, m.AssignTarget())]
+    targets += [t.target for t in m.findall(fn, m.AugAssign() | m.AnnAssign() | m.NamedExpr())]  # type: ignore[attr-defined]
+    return {t.value for t in targets if isinstance(t, cst.Name)}
+
+
+def _check_plain(stmt: cst.BaseSmallStatement, known: set[str], where: str) -> None:
+    """A plain attribute or local: computed without calls from the parameters, self and earlier locals (a call, or a
+    name from elsewhere, could make a submodule, parameter or buffer the grouped GEMMs would skip)."""
+    value = cst.ensure_type(stmt, cst.Assign).value
+    names = {cst.ensure_type(n, cst.Name).value for n in m.findall(value, m.Name())}
+    attrs = {cst.ensure_type(a, cst.Attribute).attr.value for a in m.findall(value, m.Attribute())}
+    free = names - attrs - known - {"None", "True", "False"}
+    if m.findall(value, m.Call() | m.Lambda()) or free:
+        raise RewriteError(
+            f"{where}: `{_code(stmt)}` may add a submodule, parameter or buffer that moe-rewrite's grouped experts "
+            "would not compute"
+        )
+
+
+def _check_forward(owner: str, forward: cst.FunctionDef) -> None:
+    where = f"{owner}.forward"
+    params = _params(forward)
+    if (
+        len(params) != 2
+        or params[0] != "self"
+        or forward.params.params[1].default is not None
+        or isinstance(forward.params.star_arg, cst.Param)
+        or forward.params.star_kwarg
+        or forward.params.kwonly_params
+        or forward.params.posonly_params
+    ):
+        raise RewriteError(f"{where}: expected `def forward(self, x)`, one input and nothing else")
+    x = params[1]
+    temporaries: dict[str, ast.AST] = {}
+    stmts = _statements(forward, where)
+    expected = {
+        ast.dump(ast.parse(EXPECTED_FORWARD.format(x=x), mode="eval").body),
+        ast.dump(ast.parse(f"self.down_proj(self.up_proj({x}) * self.act_fn(self.gate_proj({x})))", mode="eval").body),
+    }
+    for i, stmt in enumerate(stmts):
+        last = i == len(stmts) - 1
+        if last and isinstance(stmt, cst.Return) and stmt.value is not None:
+            result = _Inline(temporaries).visit(_ast(stmt.value))
+            if ast.dump(result) not in expected or any(temporaries.values()):
+                break
+            return
+        if (
+            not last
+            and isinstance(stmt, cst.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0].target, cst.Name)
+            and stmt.targets[0].target.value not in (*temporaries, x, "self")
+        ):
+            temporaries[stmt.targets[0].target.value] = _Inline(temporaries).visit(_ast(stmt.value))
+            continue
+        break
+    else:
+        stmt = stmts[-1] if stmts else None
+    shown = _code(stmt) if stmt is not None else "(empty)"
+    raise RewriteError(
+        f"{where}: `{shown}` differs from the expert MLP moe-rewrite's grouped experts compute, "
+        f"`return {EXPECTED_FORWARD.format(x=x)}`"
+    )
+
+
+class _Inline(ast.NodeTransformer):
+    """Each temporary replaced by its value, once: a temporary read twice, or never, is left over (refused)."""
+
+    def __init__(self, temporaries: dict[str, ast.AST]) -> None:
+        self.temporaries = temporaries
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        value = self.temporaries.get(node.id)
+        if value is None:
+            return node
+        self.temporaries[node.id] = None  # type: ignore[assignment]
+        return value
+
+
+def check_expert_class(name: str, classes: dict[str, cst.ClassDef]) -> None:
+    """Refuses (RewriteError naming the class, method and statement) an expert class that is not the published MLP."""
+    chain = _chain(name, classes, name)
+    _check_class_bodies(chain)
+    for method, check in (("__init__", _check_init), ("forward", _check_forward)):
+        found = _resolve(chain, method)
+        if found is None:
+            raise RewriteError(f"{name}: no {method} in the expert class or its in-file bases")
+        check(*found)
+
+
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    classes = _classes(module)
+    moe = context.moe_class().name
+    # the MoE class and its in-file subclasses (one may build its experts from another class)
+    layers = [name for name in classes if classes[moe] in _chain_or_any(name, classes)]
+    for expert in sorted({_expert_class(name, classes) for name in layers}):
+        check_expert_class(expert, classes)
+    return module
