@@ -332,25 +332,24 @@ def _refuse_helpers_reading_training(
         methods |= _methods(cls)
     for stmt in stmts:
         seen: set[str] = set()
-        todo = [stmt]
+        todo: list[tuple[cst.CSTNode, tuple[str, ...]]] = [(stmt, ())]
         while todo:
-            node = todo.pop()
+            node, chain = todo.pop()
             for call in m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()) | m.Name())):
                 func = cst.ensure_type(call, cst.Call).func
-                key, target = (
-                    (f"self.{func.attr.value}", methods.get(func.attr.value))  # type: ignore[attr-defined]
-                    if isinstance(func, cst.Attribute)
-                    else (cst.ensure_type(func, cst.Name).value, functions.get(cst.ensure_type(func, cst.Name).value))
-                )
+                name = func.attr.value if isinstance(func, cst.Attribute) else cst.ensure_type(func, cst.Name).value  # type: ignore[attr-defined]
+                target = methods.get(name) if isinstance(func, cst.Attribute) else functions.get(name)
+                key = f"self.{name}" if isinstance(func, cst.Attribute) else name
                 if target is None or key in seen:
                     continue
                 seen.add(key)
                 if m.findall(target, m.Attribute(attr=m.Name("training"))):
+                    calls = " -> ".join(f"{c}()" for c in (*chain, name))
                     raise RewriteError(
-                        f"{where}: `{_code(stmt)}` in the eval branch calls {key.removeprefix('self.')}(), which "
-                        "reads `.training`; moe-rewrite cannot mirror it in training"
+                        f"{where}: `{_code(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
+                        "moe-rewrite cannot mirror it in training"
                     )
-                todo.append(target)
+                todo.append((target, (*chain, name)))
 
 
 def _in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
