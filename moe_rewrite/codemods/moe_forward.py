@@ -597,8 +597,7 @@ def rewrite_forward(
     if "moe_infer" not in _methods(moe):
         return _rewrite_esft(forward, options, where), "esft"
     moe_infer = _methods(moe)["moe_infer"]
-    check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
-    params = [p.name.value for p in moe_infer.params.params][1:]  # a known body: (self, tokens, ids, weights)
+    params = [p.name.value for p in moe_infer.params.params][1:]  # proved below: (self, tokens, ids, weights)
 
     def bind(call: cst.Call) -> list[cst.Arg]:
         return _bind(call, params, where)
@@ -635,6 +634,8 @@ def rewrite_forward(
             f"{where}: unrecognised structure (self.gate returns {arity} values; "
             "expected 2 with `if not self.training:` (V3 form) or 3 with `if self.training:` (V2 form))"
         )
+    # last, so that a file of another structure is told what in its forward is not recognised
+    check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
     return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import hashlib
 from copy import copy as shallow_copy
+from copy import deepcopy
 from dataclasses import dataclass
 
 from moe_rewrite.errors import RewriteError
@@ -42,15 +43,15 @@ KNOWN_BODIES: dict[str, str] = {
 KNOWN_STATEMENTS: frozenset[str] = frozenset(
     (
         # DeepSeek-V2/V2-Lite/VL2/V3/R1 as published
-        "8f4d75a07cdd09fa 0dc252222a92c0d1 1c18a77ce3e6851e ee22a2562fc89ffc b50b4bbb250af258 402b64080e029e31 "
-        "5c9102c395a89241 dd6cb9e328c2f8fe 898795805bfcc1c9 a39eb46fc9fce185 341afa45db4e5ac2 102484593373203e "
-        "3d1e0aaa463df3ee 2d197cd16a91e0c9 223c3c0511aa879f d4adcc84cc33e4b7 3d93fba36a83cad4 e51cd7f0487ce4bf "
-        "03163b28a60e63b6 ea123720a33c28d0 8036cd1fed28aa3d bd58d5f1971e96f7 bc09f20e1fe0555a "
+        "bdf58a294ee014e6 7f3b03db70d8db63 e12b4bebb7f38b3d 6e791db0095f6e63 28cbb550639cf7fd 51f7d1cab03bfc09 "
+        "15bfdd843a8a34ba 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e d5b122d6aaaee963 0576102cf207a723 "
+        "3d1e0aaa463df3ee 7d9aeebb5822dafa aba8bf99bfe22775 cedd4a3c167b377c bdadf3d1f08b0aa9 ac178496f0ec6915 "
+        "2a9890e098f73fb5 9148e4756acf28ba 112c80bc660db2da e3dea002c18ad03b 58ef89aac281237d "
         # moe-rewrite's stand-in fixtures
-        "1a71848c918de410 a7820264d3f24cec f17fd5e8c8a6d31e 7b5bcc1b05abade8 44beac605596268e 0506fa77a47f9de1 "
-        "a125a576381fce8b 2d606a89776e6fd6 0286a838e4a59172 034dd27c8b61f8ef e2d10904aed60149 3d1e0aaa463df3ee "
-        "7ac048d897c81a0d 7804ac30fe0377c4 21236300ab46cb29 6f1edd9683e4e4b9 aed625df67f8b28a bc6f015ac911a03e "
-        "ea123720a33c28d0 1a608dd3d26c2da8 c6f91a1d53bc313b c0e7570c0fd9a398 08751fddb84561a0"
+        "ec5f929311b379ad d096a275155c07c5 e2e2cd215bb8b4fb a2fc838384087eda 631457360e5bfb86 a1166c008d0ebbc0 "
+        "c5fb37ab64008378 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e 0576102cf207a723 3d1e0aaa463df3ee "
+        "6dcf091847c92656 f861b64558929fe5 a872d834a751eaf5 5f5522f2f6e42274 fa13b12d69b171d5 1758362a2eb7ccba "
+        "9148e4756acf28ba 112c80bc660db2da c52fd590d151466d 92b7a6dcc95424d0 07c679304645e516"
     ).split()
 )
 
@@ -159,18 +160,24 @@ def fingerprint(code: str) -> Fingerprint:
             body = body[1:]
     body = _drop_ep_blocks(body) or [ast.Pass()]
     stmts = _statements(body)
-    lines = [_first_line(s) for s in stmts]  # before renaming: the file's own names
     local_names = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
     for stmt in body:
         local_names |= {
             n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))
         }
+    # each statement on its own, its locals numbered from 0 (so that the first statement that no known body has is
+    # the one named, whatever came before it), then the whole body with one numbering
+    statements = []
+    for stmt in stmts:
+        header = deepcopy(_header(stmt))
+        _Rename(local_names).visit(header)
+        statements.append((_short(header), _first_line(stmt)))
     renamer = _Rename(local_names)
     renamer.visit(function.args)
     for stmt in body:
         renamer.visit(stmt)
     whole = ast.Module(body=[ast.arguments(**vars(function.args)), *body], type_ignores=[])  # type: ignore[list-item]
-    return Fingerprint(body=_sha(whole), statements=tuple((_short(_header(s)), t) for s, t in zip(stmts, lines)))
+    return Fingerprint(body=_sha(whole), statements=tuple(statements))
 
 
 def check_moe_infer(code: str, where: str) -> None:
@@ -194,6 +201,6 @@ def check_moe_infer(code: str, where: str) -> None:
                 "training could not reproduce it exactly"
             )
     raise RewriteError(
-        f"{where}: its statements are those of published moe_infer bodies, but not in an order moe-rewrite knows; "
-        "training could not reproduce it exactly"
+        f"{where}: each statement is in a published moe_infer moe-rewrite knows, but not the whole (the order, or the "
+        "names passed between statements, differ); training could not reproduce it exactly"
     )
