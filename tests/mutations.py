@@ -474,6 +474,21 @@ def _moe_infer_and_paths_around_it(form: str) -> list[Mutation]:
             ),
             Mutation(
                 form,
+                "submodule_reads_training",
+                "refused",
+                (
+                    _before(
+                        f"class {moe}(nn.Module):\n",
+                        "class Scale(nn.Module):\n    def forward(self, y):\n"
+                        "        return y * (2.0 if self.training else 1.0)\n\n\n",
+                    ),
+                    _after("        self.gate = MoEGate(config)\n", "        self.post = Scale()\n"),
+                    _after(EVAL_CALL, "            y = self.post(y)\n"),
+                ),
+                why="`y = self.post(y)` in the eval branch calls post(), which reads `.training`",
+            ),
+            Mutation(
+                form,
                 "helper_function_reads_training_through_method",
                 "refused",
                 (

@@ -324,32 +324,53 @@ def _refuse_helpers_reading_training(
     stmts: Sequence[cst.BaseStatement], moe: cst.ClassDef, module: cst.Module, where: str
 ) -> None:
     """The eval branch runs in training too, so what it calls must not depend on training mode: a method of the MoE
-    class (or of its in-file bases) or a function of the file called there, or what those call in turn, must not read
-    `.training` (the branch itself is checked in _v3_training_else)."""
+    class (or of its in-file bases), the forward of a submodule whose class is in the file (`self.norm = Norm(...)`),
+    or a function of the file, called there, or what those call in turn, must not read `.training` (the branch itself
+    is checked in _v3_training_else). Submodules of classes from elsewhere (torch's) are not looked into."""
     functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
-    methods: dict[str, cst.FunctionDef] = {}
-    for cls in reversed(_in_file_lineage(moe, module)):  # the class's own methods win over its bases'
-        methods |= _methods(cls)
+    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+    def resolve(func: cst.BaseExpression, owner: cst.ClassDef | None) -> tuple[cst.FunctionDef, cst.ClassDef | None]:
+        if isinstance(func, cst.Name):
+            return functions.get(func.value), None  # type: ignore[return-value]
+        name = cst.ensure_type(func, cst.Attribute).attr.value
+        if owner is None:
+            return None, None  # type: ignore[return-value]
+        methods: dict[str, cst.FunctionDef] = {}
+        for cls in reversed(_in_file_lineage(owner, module)):  # a class's own methods win over its bases'
+            methods |= _methods(cls)
+        if name in methods:
+            return methods[name], owner
+        for init in (_methods(c).get("__init__") for c in _in_file_lineage(owner, module)):
+            assign = m.Assign(
+                targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))],
+                value=m.Call(func=m.Name()),
+            )
+            for node in m.findall(init, assign) if init is not None else []:
+                sub = classes.get(cst.ensure_type(cst.ensure_type(node, cst.Assign).value, cst.Call).func.value)  # type: ignore[attr-defined]
+                if sub is not None:
+                    return resolve(cst.Attribute(value=cst.Name("self"), attr=cst.Name("forward")), sub)[0], sub
+        return None, None  # type: ignore[return-value]
+
     for stmt in stmts:
-        seen: set[str] = set()
-        todo: list[tuple[cst.CSTNode, tuple[str, ...]]] = [(stmt, ())]
+        seen: set[int] = set()
+        todo: list[tuple[cst.CSTNode, cst.ClassDef | None, tuple[str, ...]]] = [(stmt, moe, ())]
         while todo:
-            node, chain = todo.pop()
+            node, owner, chain = todo.pop()
             for call in m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()) | m.Name())):
                 func = cst.ensure_type(call, cst.Call).func
-                name = func.attr.value if isinstance(func, cst.Attribute) else cst.ensure_type(func, cst.Name).value  # type: ignore[attr-defined]
-                target = methods.get(name) if isinstance(func, cst.Attribute) else functions.get(name)
-                key = f"self.{name}" if isinstance(func, cst.Attribute) else name
-                if target is None or key in seen:
+                target, target_owner = resolve(func, owner)
+                if target is None or id(target) in seen:
                     continue
-                seen.add(key)
+                seen.add(id(target))
+                name = func.attr.value if isinstance(func, cst.Attribute) else cst.ensure_type(func, cst.Name).value  # type: ignore[attr-defined]
                 if m.findall(target, m.Attribute(attr=m.Name("training"))):
                     calls = " -> ".join(f"{c}()" for c in (*chain, name))
                     raise RewriteError(
                         f"{where}: `{_code(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
                         "moe-rewrite cannot mirror it in training"
                     )
-                todo.append((target, (*chain, name)))
+                todo.append((target, target_owner, (*chain, name)))
 
 
 def _in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
