@@ -119,6 +119,7 @@ def test_keyword_arguments_are_bound_by_name():
     new = rewrite_source(text).text
     assert "y = self.moe_rewrite_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)" in new
     assert "y = self.moe_train(hidden_states, topk_idx, topk_weight, out_dtype=hidden_states.dtype)" in new
+    assert rewrite_source(new).text == new  # a second run changes nothing
     from moe_rewrite import RewriteOptions
 
     new = rewrite_source(text, RewriteOptions(aux_loss=True, bias_update=0.001)).text
