@@ -159,7 +159,10 @@ def _bind(call: cst.Call, params: list[str], where: str) -> list[cst.Arg]:
         raise RewriteError(f"{where}: {shape}, by position or by moe_infer's parameter names")
     bound: dict[str, cst.Arg] = {}  # in the call's order
     for i, arg in enumerate(call.args):
-        name = params[i] if arg.keyword is None and i < 3 else arg.keyword.value if arg.keyword else ""
+        if arg.keyword is not None:
+            name = arg.keyword.value
+        else:  # positional arguments come first (Python's own rule)
+            name = params[i] if i < len(params) else ""
         if name not in params or name in bound:
             raise RewriteError(f"{where}: {shape}; moe_infer's parameters are {', '.join(params)}")
         bound[name] = arg

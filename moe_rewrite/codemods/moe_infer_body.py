@@ -6,10 +6,10 @@ summed in the weights' dtype, then cast back to the tokens' dtype), so a `moe_in
 the weights, renormalises them, skips or zeroes an expert) is refused, naming its first statement that no known body
 has.
 
-The comparison is on a normalised syntax tree (`ast`): parameters and local variables renamed in order of first
-appearance, the docstring dropped; attribute names, calls, constants and operators kept. The `if self.ep_size > 1:`
-blocks (expert parallelism) are left out: the generated training code refuses `ep_size > 1` at run time (moe_train
-and the fused experts raise NotImplementedError), and eval runs the file's own moe_infer untouched.
+The comparison is on a normalised syntax tree (`ast`): parameters renamed by position and local variables in order of
+first appearance, the docstring dropped; attribute names, calls, constants and operators kept. The
+`if self.ep_size > 1:` blocks (expert parallelism) are left out: the generated training code refuses `ep_size > 1` at
+run time (moe_train and the fused experts raise NotImplementedError), and eval runs the file's own moe_infer untouched.
 
 Only fingerprints are stored (sha256 of the normalised dump, and of each statement for the error message), never the
 published code. To fingerprint the moe_infer of a newly published file (the copy stays outside the repository)::
@@ -34,24 +34,24 @@ KNOWN_BODIES: dict[str, str] = {
     # over the experts skipping empty ones, torch.cat, the weighted sum in the weights' dtype). The same in copies of
     # DeepSeek-V2 / V2-Lite, DeepSeek-VL2's language model, DeepSeek-V3 and R1 in ten independent public repositories
     # (checked for issue 39; hand-edited forks that change it, e.g. `.to("cuda:0")` or a float argsort, are refused).
-    "30987d9420ae7abf7e60e91b292c8b340053461c884f03a49e231fc113cd517d": "DeepSeek-V2/V2-Lite/VL2/V3/R1 as published",
+    "7ef4e5b788f55b1c84a7a9800d7b3cf4b600c179d16209dd04ad389a42c26f77": "DeepSeek-V2/V2-Lite/VL2/V3/R1 as published",
     # moe-rewrite's own stand-ins, fixtures/deepseek_v3 and fixtures/deepseek_v2 (bincount instead of scatter_).
-    "12079a1a88231841a342d4d851ec226b3f49f91ff54ca4e0e84d16691b0c0575": "moe-rewrite's stand-in fixtures",
+    "22a4428b86a91653b7472042724d66cde97a4d525cb421a7c24254a9a1ceb707": "moe-rewrite's stand-in fixtures",
 }
 
 # The statements of every known body, first 16 hex digits of their fingerprints (for the error message only).
 KNOWN_STATEMENTS: frozenset[str] = frozenset(
     (
         # DeepSeek-V2/V2-Lite/VL2/V3/R1 as published
-        "bdf58a294ee014e6 7f3b03db70d8db63 e12b4bebb7f38b3d 6e791db0095f6e63 28cbb550639cf7fd 51f7d1cab03bfc09 "
+        "00323ab0ce102d1a 920d3d4c13128605 e12b4bebb7f38b3d 838e6541b10e04b8 f6cde572ba48fc21 51f7d1cab03bfc09 "
         "15bfdd843a8a34ba 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e d5b122d6aaaee963 0576102cf207a723 "
-        "3d1e0aaa463df3ee 7d9aeebb5822dafa aba8bf99bfe22775 cedd4a3c167b377c bdadf3d1f08b0aa9 ac178496f0ec6915 "
-        "2a9890e098f73fb5 9148e4756acf28ba 112c80bc660db2da e3dea002c18ad03b 58ef89aac281237d "
+        "3d1e0aaa463df3ee 2c369b139f73283c aba8bf99bfe22775 cedd4a3c167b377c bdadf3d1f08b0aa9 ac178496f0ec6915 "
+        "2a9890e098f73fb5 9148e4756acf28ba 112c80bc660db2da 8b9ead4fa6b271b0 58ef89aac281237d "
         # moe-rewrite's stand-in fixtures
-        "ec5f929311b379ad d096a275155c07c5 e2e2cd215bb8b4fb a2fc838384087eda 631457360e5bfb86 a1166c008d0ebbc0 "
-        "c5fb37ab64008378 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e 0576102cf207a723 3d1e0aaa463df3ee "
-        "6dcf091847c92656 f861b64558929fe5 a872d834a751eaf5 5f5522f2f6e42274 fa13b12d69b171d5 1758362a2eb7ccba "
-        "9148e4756acf28ba 112c80bc660db2da c52fd590d151466d 92b7a6dcc95424d0 07c679304645e516"
+        "21ec121f0690ef9d 7b3f49b951da11b4 5ca24678743d0ea3 a2fc838384087eda da614fb490b95c67 a1166c008d0ebbc0 "
+        "66af0b61de99782d 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e 0576102cf207a723 3d1e0aaa463df3ee "
+        "3d6ecba3d7d15b37 f861b64558929fe5 a872d834a751eaf5 5f5522f2f6e42274 fa13b12d69b171d5 1758362a2eb7ccba "
+        "9148e4756acf28ba 112c80bc660db2da 4286a82c64b588c4 6a0e2d26730c9527 07c679304645e516"
     ).split()
 )
 
@@ -98,18 +98,25 @@ def _statements(stmts: list) -> list[ast.stmt]:
 
 
 class _Rename(ast.NodeVisitor):
-    """Parameters and locals become _0, _1, ... in order of first appearance (a walk that does not look at names)."""
+    """Parameters become _p0, _p1, ... by position; other locals _0, _1, ... in order of first appearance (a walk that
+    does not look at names)."""
 
-    def __init__(self, local_names: set[str]) -> None:
+    def __init__(self, params: list[str], local_names: set[str]) -> None:
         self.local_names = local_names
-        self.names: dict[str, str] = {}
+        self.names = {name: f"_p{i}" for i, name in enumerate(params)}
+        self.count = 0
+
+    def _canonical(self, name: str) -> str:
+        if name not in self.names:
+            self.names[name], self.count = f"_{self.count}", self.count + 1
+        return self.names[name]
 
     def visit_Name(self, node: ast.Name) -> None:
         if node.id in self.local_names:
-            node.id = self.names.setdefault(node.id, f"_{len(self.names)}")
+            node.id = self._canonical(node.id)
 
     def visit_arg(self, node: ast.arg) -> None:
-        node.arg = self.names.setdefault(node.arg, f"_{len(self.names)}")
+        node.arg = self._canonical(node.arg)
         node.annotation = None
 
 
@@ -160,19 +167,20 @@ def fingerprint(code: str) -> Fingerprint:
             body = body[1:]
     body = _drop_ep_blocks(body) or [ast.Pass()]
     stmts = _statements(body)
-    local_names = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+    params = [a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)]
+    local_names = set(params)
     for stmt in body:
         local_names |= {
             n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))
         }
     # each statement on its own, its locals numbered from 0 (so that the first statement that no known body has is
-    # the one named, whatever came before it), then the whole body with one numbering
+    # the one named, whatever came before it), then the whole body with one numbering; parameters by position
     statements = []
     for stmt in stmts:
         header = deepcopy(_header(stmt))
-        _Rename(local_names).visit(header)
+        _Rename(params, local_names).visit(header)
         statements.append((_short(header), _first_line(stmt)))
-    renamer = _Rename(local_names)
+    renamer = _Rename(params, local_names)
     renamer.visit(function.args)
     for stmt in body:
         renamer.visit(stmt)
