@@ -35,6 +35,17 @@ ESFT_BUFFER = "            y = torch.empty_like(hidden_states)\n"
 V3_INFER = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n"
 V3_BRANCH = "        if not self.training:\n" + V3_INFER
 V3_GUARD = "            assert not self.training\n"
+# moe_infer (the same in both stand-ins) and the places around the MoE class
+MI_DEF = "    def moe_infer(self, x, topk_ids, topk_weight):\n"
+MI_DECORATED = "    @torch.no_grad()\n" + MI_DEF
+MI_DOC = '        """Send every (token, slot) pair to its expert, one batch per expert."""\n'
+MI_ROUTED = "        routed = x[order // k]\n"
+MI_DEVICE = "device=x.device)\n"
+MI_COUNTS = "        counts = per_expert.cpu().numpy()\n"
+MI_LOOP = "        for local_idx, count in enumerate(counts):\n"
+MI_EXPERT = "            expert = self.experts[first_expert + local_idx]\n"
+MI_SUM = "        combined = (per_slot * topk_weight.unsqueeze(-1)).sum(dim=1)\n"
+EVAL_CALL = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n"
 V3_MOE_START = "        residual = hidden_states\n        orig_shape = hidden_states.shape\n        topk_idx, topk_weight = self.gate"
 # The expert MLP class of both stand-ins (DeepseekV3MLP, DeepseekV2MLP) and the MoE's list of experts (ep_size == 1).
 MLP_FORWARD = "        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\n"
@@ -52,6 +63,9 @@ class Mutation:
     edits: tuple[tuple[str, str], ...]  # (old, new) text replacements, each old found exactly once
     why: str = ""  # for "refused": what the one-line error must say
     options: tuple[str, ...] = ()  # for the rewrite
+    # for "exact": the numbers to match: the variant's own ("own"), or the unedited stand-in rewritten with the same
+    # options ("fixture"; for options that change training on purpose, such as --aux-loss)
+    reference: str = "own"
 
     @property
     def fixture(self) -> Path:
@@ -441,6 +455,249 @@ MUTATIONS = [
         why="does not assign the result of self.moe_infer",
     ),
 ]
+
+
+def _moe(form: str) -> str:
+    return f"DeepseekV{form[1]}MoE"
+
+
+def _moe_infer_and_paths_around_it(form: str) -> list[Mutation]:
+    """moe_infer's body (proved against the published one), the eval call's shape, global statements, helpers that
+    read self.training, subclasses of the MoE class: the same families for the V3 and V2 forms."""
+    moe, attention = _moe(form), f"class DeepseekV{form[1]}Attention(nn.Module):\n"
+    keywords = EVAL_CALL.replace(
+        "self.moe_infer(hidden_states, topk_idx, topk_weight)",
+        "self.moe_infer(topk_weight=topk_weight, x=hidden_states, topk_ids=topk_idx)",
+    )
+    post = "    def _post(self, y):\n        return y * (2.0 if self.training else 1.0)\n\n"
+    unknown = "is not in any published moe_infer moe-rewrite knows"
+    mutations = [
+        Mutation(
+            form,
+            "moe_infer_scales_weights",
+            "refused",
+            (_after(MI_DOC, "        topk_weight = topk_weight * self.config.routed_scaling_factor\n"),),
+            why=f"{moe}.moe_infer: `topk_weight = topk_weight * self.config.routed_scaling_factor` {unknown}",
+        ),
+        Mutation(
+            form,
+            "moe_infer_normalises_weights",
+            "refused",
+            (_after(MI_DOC, "        topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)\n"),),
+            why="`topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)` " + unknown,
+        ),
+        Mutation(
+            form,
+            "moe_infer_skips_pruned_expert",
+            "refused",
+            (_before(MI_EXPERT, "            if first_expert + local_idx == 3:\n                continue\n"),),
+            why=f"`if first_expert + local_idx == 3:` {unknown}",
+        ),
+        Mutation(
+            form,
+            "moe_infer_zeroes_pruned_expert",
+            "refused",
+            (
+                (
+                    MI_SUM,
+                    MI_SUM.replace(
+                        "topk_weight.unsqueeze(-1)", "topk_weight.masked_fill(topk_ids == 3, 0).unsqueeze(-1)"
+                    ),
+                ),
+            ),
+            why=unknown,
+        ),
+        Mutation(
+            form,
+            "moe_infer_other_constant",
+            "refused",
+            ((MI_SUM, MI_SUM.replace("sum(dim=1)", "sum(dim=0)")),),
+            why=unknown,
+        ),
+        Mutation(
+            form,
+            "moe_infer_inference_mode",
+            "refused",
+            ((MI_DECORATED, MI_DECORATED.replace("no_grad", "inference_mode")),),
+            why="@torch.inference_mode() is not how published files define moe_infer",
+        ),
+        Mutation(
+            form,
+            "moe_infer_renamed_reformatted",
+            "exact",
+            (
+                (MI_DEF, MI_DEF.replace("(self, x,", "(self, tokens,")),
+                (MI_ROUTED, "        routed = tokens[\n            order // k\n        ]\n"),
+                (MI_DEVICE, "device=tokens.device)\n"),
+                (MI_COUNTS, "        sizes = per_expert.cpu().numpy()\n"),
+                (MI_LOOP, "        for (local_idx, count) in enumerate(sizes):\n"),
+            ),
+        ),
+        Mutation(
+            form,
+            "moe_infer_comments_docstring",
+            "exact",
+            (
+                (MI_DOC, '        """Route the tokens.\n\n        Another docstring, on two lines.\n        """\n'),
+                _before(MI_SUM, "        # the weighted sum, in the weights' dtype\n"),
+                (MI_EXPERT, MI_EXPERT.rstrip("\n") + "  # this rank's expert\n"),
+            ),
+        ),
+        Mutation(form, "moe_infer_not_decorated", "exact", ((MI_DECORATED, MI_DEF),)),
+        # the eval branch's call: keywords bound to moe_infer's own parameters
+        Mutation(form, "call_keywords_other_order", "exact", ((EVAL_CALL, keywords),)),
+        Mutation(
+            form,
+            "call_keywords_renamed_parameters",
+            "exact",
+            (
+                (EVAL_CALL, keywords.replace("x=", "tokens=")),
+                (MI_DEF, MI_DEF.replace("(self, x,", "(self, tokens,")),
+                (MI_ROUTED, MI_ROUTED.replace("x[", "tokens[")),
+                (MI_DEVICE, "device=tokens.device)\n"),
+            ),
+        ),
+        Mutation(
+            form,
+            "call_unknown_keyword",
+            "refused",
+            ((EVAL_CALL, EVAL_CALL.replace("topk_idx, topk_weight)", "topk_idx, weights=topk_weight)")),),
+            why="moe_infer's parameters are x, topk_ids, topk_weight",
+        ),
+        Mutation(
+            form,
+            "call_double_star",
+            "refused",
+            (
+                (
+                    EVAL_CALL,
+                    EVAL_CALL.replace("topk_idx, topk_weight)", "**dict(topk_ids=topk_idx, topk_weight=topk_weight))"),
+                ),
+            ),
+            why="should take three arguments (tokens, topk ids, topk weights), by position or by moe_infer's parameter names",
+        ),
+        # subclasses of the MoE class that override what moe-rewrite proved
+        Mutation(
+            form,
+            "subclass_overrides_moe_infer",
+            "refused",
+            (
+                _before(
+                    attention,
+                    f"class PrunedMoE({moe}):\n    def moe_infer(self, x, topk_ids, topk_weight):\n"
+                    "        return super().moe_infer(x, topk_ids, topk_weight * 0.5)\n\n\n",
+                ),
+            ),
+            why=f"PrunedMoE derives from {moe} and overrides moe_infer",
+        ),
+        Mutation(
+            form,
+            "subclass_of_subclass_overrides_forward",
+            "refused",
+            (
+                _before(
+                    attention,
+                    f"class BaseMoE({moe}):\n    pass\n\n\nclass MyMoE(BaseMoE):\n    def forward(self, hidden_states):\n"
+                    "        return super().forward(hidden_states) * 2.0\n\n\n",
+                ),
+            ),
+            why=f"MyMoE derives from {moe} and overrides forward",
+        ),
+    ]
+    if form == "v3":
+        mutations += [
+            Mutation(
+                form,
+                "call_keywords_aux_loss",
+                "exact",
+                ((EVAL_CALL, keywords),),
+                options=("--aux-loss",),
+                reference="fixture",
+            ),
+            Mutation(
+                form,
+                "call_keywords_bias_update",
+                "exact",
+                ((EVAL_CALL, keywords),),
+                options=("--bias-update", "0.001"),
+                reference="fixture",
+            ),
+            Mutation(
+                form,
+                "call_keywords_moved_expression",
+                "refused",
+                ((EVAL_CALL, keywords.replace("topk_weight=topk_weight,", "topk_weight=topk_weight.float(),")),),
+                why="pass them in moe_infer's order, or as plain names",
+            ),
+            Mutation(
+                form,
+                "global_in_eval_branch",
+                "exact",
+                (
+                    _before(f"class {moe}(nn.Module):\n", "EVAL_CALLS = 0\n\n\n"),
+                    _before(EVAL_CALL, "            global EVAL_CALLS\n            EVAL_CALLS += 1\n"),
+                ),
+            ),
+            Mutation(
+                form,
+                "helper_method_reads_training",
+                "refused",
+                (_before(MI_DECORATED, post), _after(EVAL_CALL, "            y = self._post(y)\n")),
+                why="`y = self._post(y)` in the eval branch calls _post(), which reads `.training`",
+            ),
+            Mutation(
+                form,
+                "submodule_reads_training",
+                "refused",
+                (
+                    _before(
+                        f"class {moe}(nn.Module):\n",
+                        "class Scale(nn.Module):\n    def forward(self, y):\n"
+                        "        return y * (2.0 if self.training else 1.0)\n\n\n",
+                    ),
+                    _after("        self.gate = MoEGate(config)\n", "        self.post = Scale()\n"),
+                    _after(EVAL_CALL, "            y = self.post(y)\n"),
+                ),
+                why="`y = self.post(y)` in the eval branch calls post(), which reads `.training`",
+            ),
+            Mutation(
+                form,
+                "helper_function_reads_training_through_method",
+                "refused",
+                (
+                    _before(
+                        f"class {moe}(nn.Module):\n",
+                        "def _scale(module, y):\n    return y * (2.0 if module.training else 1.0)\n\n\n",
+                    ),
+                    _before(MI_DECORATED, "    def _post(self, y):\n        return _scale(self, y)\n\n"),
+                    _after(EVAL_CALL, "            y = self._post(y)\n"),
+                ),
+                why="`y = self._post(y)` in the eval branch calls _post() -> _scale(), which reads `.training`",
+            ),
+        ]
+    else:  # V2: the training branch is rewritten in place, its own statements run in training as before
+        mutations += [
+            Mutation(
+                form,
+                "global_in_training_branch",
+                "exact",
+                (
+                    _before(f"class {moe}(nn.Module):\n", "TRAIN_CALLS = 0\n\n\n"),
+                    _before(V2_REPEAT, "            global TRAIN_CALLS\n            TRAIN_CALLS += 1\n"),
+                ),
+            ),
+            Mutation(
+                form,
+                "helper_reads_training_in_training_branch",
+                "exact",
+                (_before(MI_DECORATED, post), _after(V2_SUM, "            y = self._post(y)\n")),
+            ),
+        ]
+    return mutations
+
+
+# moe_infer's body, the call's shape, MoE subclasses, helpers (V3 and V2)
+MUTATIONS += _moe_infer_and_paths_around_it("v3") + _moe_infer_and_paths_around_it("v2")
 
 
 def variant_text(mutation: Mutation) -> str:

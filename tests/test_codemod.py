@@ -265,8 +265,9 @@ def test_moe_infer_untouched_and_eval_calls_it_through_moe_rewrite_infer():
     moe_infer unless PEFT wrapped the experts so that moe_infer cannot index them."""
     text = _read(PAIRS / "v3_basic.in.py")
     new = rewrite_source(text).text
-    infer = "    @torch.no_grad()\n    def moe_infer(self, x, topk_ids, topk_weight):\n        return x\n"
-    assert infer in text and infer in new
+    start = text.index("    @torch.no_grad()\n    def moe_infer(self, x, topk_ids, topk_weight):\n")
+    infer = text[start : text.index("        return combined.to(unsorted.dtype)\n", start)]
+    assert infer in new
     assert f"        if not self.training:\n            {EVAL_V3}\n" in text
     through = EVAL_V3.replace("self.moe_infer(", "self.moe_rewrite_infer(")
     assert f"        if not self.training:\n            {through}  {EVAL_NOTE}\n" in new
@@ -274,6 +275,9 @@ def test_moe_infer_untouched_and_eval_calls_it_through_moe_rewrite_infer():
     assert rewrite_source(new).text == new
 
 
+_STAND_IN = (PAIRS.parent.parent / "fixtures" / "deepseek_v3" / "modeling_deepseek.py").read_text()
+_START = _STAND_IN.index("    @torch.no_grad()\n    def moe_infer(")
+STAND_IN_MOE_INFER = _STAND_IN[_START : _STAND_IN.index("\n\n\nclass ", _START)] + "\n"  # a known moe_infer body
 V3_MOE = """
 class E(nn.Module):
     def __init__(self, config):
@@ -327,15 +331,31 @@ class M:
             "no `for ... in enumerate(self.experts)` loop",
         ),
         (
-            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)"),
+            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)").replace(
+                "    def moe_infer(self, x, ids, w):\n        return x\n", STAND_IN_MOE_INFER
+            ),
             "gate class G is not defined once",
+        ),
+        (
+            V3_MOE.format(branch="        if not self.training:\n            y = self.moe_infer(h, ids, w)"),
+            "M.moe_infer: `return x` is not in any published moe_infer moe-rewrite knows",
         ),
         (
             V3_MOE.format(branch="        if not self.training:\n            self.moe_infer(h, ids, w)"),
             "does not assign the result of self.moe_infer",
         ),
     ],
-    ids=["no-moe", "syntax", "no-branch", "foreign-else", "arity-mismatch", "v2-no-loop", "no-gate-class", "no-assign"],
+    ids=[
+        "no-moe",
+        "syntax",
+        "no-branch",
+        "foreign-else",
+        "arity-mismatch",
+        "v2-no-loop",
+        "no-gate-class",
+        "unknown-moe-infer",
+        "no-assign",
+    ],
 )
 def test_unrecognised_structure_is_refused(text, message):
     with pytest.raises(RewriteError) as info:

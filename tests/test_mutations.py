@@ -1,7 +1,8 @@
 """Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py): each variant is either refused
 (exit 2, one line, nothing written) or rewritten, and then one training step gives the variant's own numbers, loss and
 every gradient: V2 and ESFT forms, their own per-expert loop; V3 form, its own eval branch run with gradients (its MoE
-layers in eval mode, moe_infer without its no_grad)."""
+layers in eval mode, moe_infer without its no_grad). Variants rewritten with options that change training on purpose
+(--aux-loss, --bias-update) are checked against the unedited stand-in rewritten with the same options."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def _eval_branch_with_grads(model) -> None:
     for module in model.modules():
         if hasattr(module, "moe_infer"):
             module.eval()
-            module.moe_infer = types.MethodType(type(module).moe_infer.__wrapped__, module)
+            moe_infer = type(
+                module
+            ).moe_infer  # published with @torch.no_grad(), which keeps the function as __wrapped__
+            module.moe_infer = types.MethodType(getattr(moe_infer, "__wrapped__", moe_infer), module)
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
@@ -72,7 +76,12 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
     probe = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert (reloaded.eval()(input_ids=probe).logits - rewritten.eval()(input_ids=probe).logits).abs().max() <= 1e-6
-    if mutation.form == "v3":
+    if mutation.reference == "fixture":  # the unedited stand-in, rewritten with the same options, same weights
+        reference = tmp_path / f"reference_{mutation.form}_{mutation.name}"
+        assert run_cli(mutation.fixture, "--out", reference, *mutation.options)[0] == 0
+        shutil.copy(tmp_path / "weights" / "model.safetensors", reference / "model.safetensors")
+        own = AutoModelForCausalLM.from_pretrained(reference, trust_remote_code=True, torch_dtype=torch.float32).train()
+    elif mutation.form == "v3":
         _eval_branch_with_grads(own)
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))
     loss, grads = _train_step(rewritten.train(), ids)

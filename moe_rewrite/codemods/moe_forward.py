@@ -38,12 +38,14 @@ which runs the grouped GEMMs instead only where moe_infer cannot index the exper
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable, Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods import Context, Field, MoeClassInfo
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
+from moe_rewrite.codemods.moe_infer_body import check_moe_infer
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.render import CORE_SECTIONS
@@ -144,22 +146,51 @@ def _single_moe_infer_assign(block: cst.BaseSuite, where: str) -> cst.SimpleStat
     return cst.ensure_type(stmts[0], cst.SimpleStatementLine)
 
 
-def _moe_infer_args(stmt: cst.CSTNode) -> list[cst.Arg]:
-    call = cst.ensure_type(m.findall(stmt, MOE_INFER_CALL)[0], cst.Call)
-    if len(call.args) != 3:
-        raise RewriteError("self.moe_infer(...) should take three arguments (tokens, topk ids, topk weights)")
-    return list(call.args)
+def _moe_infer_args(stmt: cst.CSTNode, params: list[str], where: str) -> list[cst.Arg]:
+    return _bind(cst.ensure_type(m.findall(stmt, MOE_INFER_CALL)[0], cst.Call), params, where)
+
+
+def _bind(call: cst.Call, params: list[str], where: str) -> list[cst.Arg]:
+    """The call's (tokens, topk ids, topk weights), bound to moe_infer's own parameters as Python binds them:
+    positional first, then keywords by name in any order. Returned positional, in moe_infer's order, each position
+    keeping the call's own layout there (separator, comments)."""
+    shape = "self.moe_infer(...) should take three arguments (tokens, topk ids, topk weights)"
+    if len(params) != 3 or any(a.star for a in call.args):
+        raise RewriteError(f"{where}: {shape}, by position or by moe_infer's parameter names")
+    bound: dict[str, cst.Arg] = {}  # in the call's order
+    for i, arg in enumerate(call.args):
+        if arg.keyword is not None:
+            name = arg.keyword.value
+        else:  # positional arguments come first (Python's own rule)
+            name = params[i] if i < len(params) else ""
+        if name not in params or name in bound:
+            raise RewriteError(f"{where}: {shape}; moe_infer's parameters are {', '.join(params)}")
+        bound[name] = arg
+    if len(bound) != 3:
+        raise RewriteError(f"{where}: {shape}; moe_infer's parameters are {', '.join(params)}")
+    if list(bound) != params and not all(isinstance(a.value, cst.Name) for a in call.args):
+        # putting them in order changes when each is evaluated; for plain names that cannot matter
+        raise RewriteError(f"{where}: {shape}; pass them in moe_infer's order, or as plain names")
+    return [
+        arg.with_changes(value=bound[p].value, keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+        for p, arg in zip(params, call.args)
+    ]
 
 
 class _ReplaceMoeInfer(cst.CSTTransformer):
     """self.moe_infer(a, b, c) -> self.moe_train(a, b, c, out_dtype=a.dtype), inside one statement (without the eval
-    branch's note): moe_infer returns a's dtype, so training does too."""
+    branch's note): moe_infer returns a's dtype, so training does too. Arguments by keyword are bound to moe_infer's
+    parameters (`bind`) and passed by position."""
+
+    def __init__(self, bind: Callable[[cst.Call], list[cst.Arg]]) -> None:
+        super().__init__()
+        self.bind = bind
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not m.matches(original_node, MOE_INFER_CALL):
             return updated_node
         func = cst.ensure_type(updated_node.func, cst.Attribute)
-        *first, before_last, last = updated_node.args  # three (checked by _moe_infer_args)
+        *first, before_last, last = self.bind(updated_node)
         # out_dtype goes last in the call's own layout: the last argument takes the separator the others have, and
         # a trailing comma (with what follows it: a comment, the line break before the parenthesis) moves after it.
         out_dtype = cst.Arg(
@@ -182,13 +213,19 @@ class _ReplaceMoeInfer(cst.CSTTransformer):
 
 
 class _EvalThroughMoeRewrite(cst.CSTTransformer):
-    """self.moe_infer(...) -> self.moe_rewrite_infer(...), marked, in the eval branch's statement."""
+    """self.moe_infer(...) -> self.moe_rewrite_infer(...), marked, in the eval branch's statement; arguments by
+    keyword passed by position (moe_rewrite_infer's parameters need not have moe_infer's names)."""
+
+    def __init__(self, bind: Callable[[cst.Call], list[cst.Arg]]) -> None:
+        super().__init__()
+        self.bind = bind
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not m.matches(original_node, MOE_INFER_CALL):
             return updated_node
         func = cst.ensure_type(updated_node.func, cst.Attribute)
-        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_rewrite_infer")))
+        args = self.bind(updated_node)
+        return updated_node.with_changes(func=func.with_changes(attr=cst.Name("moe_rewrite_infer")), args=args)
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
@@ -201,14 +238,16 @@ class _EvalThroughMoeRewrite(cst.CSTTransformer):
         return updated_node.with_changes(trailing_whitespace=whitespace)
 
 
-def _eval_through_moe_rewrite(suite: cst.BaseSuite) -> cst.BaseSuite:
-    return cst.ensure_type(suite.visit(_EvalThroughMoeRewrite()), cst.BaseSuite)
+def _eval_through_moe_rewrite(suite: cst.BaseSuite, bind: Callable[[cst.Call], list[cst.Arg]]) -> cst.BaseSuite:
+    return cst.ensure_type(suite.visit(_EvalThroughMoeRewrite(bind)), cst.BaseSuite)
 
 
 NO_GRAD = m.Attribute(attr=m.Name("no_grad") | m.Name("inference_mode")) | m.Name("no_grad") | m.Name("inference_mode")
 
 
-def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: str) -> cst.Else:
+def _v3_training_else(
+    eval_body: cst.BaseSuite, options: RewriteOptions, bind: Callable[[cst.Call], list[cst.Arg]], where: str
+) -> cst.Else:
     """The training branch: the eval branch's statements, in order, with moe_train where eval calls moe_infer (so any
     post-processing of its result is the same in training), then the opt-in router-training statements."""
     infer_stmt = _single_moe_infer_assign(eval_body, where)
@@ -220,7 +259,8 @@ def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: 
                 "cannot mirror it in training"
             )
     extra: list[cst.BaseStatement] = []
-    tokens, topk_ids = (a.value for a in _moe_infer_args(infer_stmt)[:2])
+    call = cst.ensure_type(m.findall(infer_stmt, MOE_INFER_CALL)[0], cst.Call)
+    tokens, topk_ids = (a.value for a in bind(call)[:2])
     if options.bias_update is not None:
         count = cst.Call(
             func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_rewrite_count_load")),
@@ -235,15 +275,134 @@ def _v3_training_else(eval_body: cst.BaseSuite, options: RewriteOptions, where: 
         )
         extra.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=attach)]))
     body: list[cst.BaseStatement] = []
-    for stmt in eval_stmts:
+    for stmt in _without_declarations(eval_stmts):
         if m.matches(stmt, m.SimpleStatementLine()) and m.findall(stmt, MOE_INFER_CALL):
             body += [
-                cst.ensure_type(stmt.visit(_ReplaceMoeInfer()), cst.SimpleStatementLine).with_changes(leading_lines=[]),
+                cst.ensure_type(stmt.visit(_ReplaceMoeInfer(bind)), cst.SimpleStatementLine).with_changes(
+                    leading_lines=[]
+                ),
                 *extra,
             ]
         else:
             body.append(stmt.with_changes(leading_lines=[]))
     return cst.Else(body=cst.IndentedBlock(body=body))
+
+
+class _DropDeclarations(cst.CSTTransformer):
+    """Removes `global` / `nonlocal` from the function's own scope (not from functions or classes defined in it)."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        kept = [s for s in updated_node.body if not isinstance(s, (cst.Global, cst.Nonlocal))]
+        if not kept:
+            return cst.RemoveFromParent()
+        return updated_node.with_changes(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT) for s in kept])
+
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        return (
+            updated_node
+            if updated_node.body
+            else updated_node.with_changes(body=[cst.SimpleStatementLine([cst.Pass()])])
+        )
+
+
+def _without_declarations(stmts: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    """The eval branch's statements for the training copy, without its `global` / `nonlocal` declarations: one applies
+    to the whole function, the copy included, and declaring a name again after the eval branch used it does not
+    compile."""
+    wrapped = cst.Module(body=list(stmts)).visit(_DropDeclarations())
+    return list(wrapped.body)
+
+
+def _refuse_helpers_reading_training(
+    stmts: Sequence[cst.BaseStatement], moe: cst.ClassDef, module: cst.Module, where: str
+) -> None:
+    """The eval branch runs in training too, so what it calls must not depend on training mode: a method of the MoE
+    class (or of its in-file bases), the forward of a submodule whose class is in the file (`self.norm = Norm(...)`),
+    or a function of the file, called there, or what those call in turn, must not read `.training` (the branch itself
+    is checked in _v3_training_else). Submodules of classes from elsewhere (torch's) are not looked into."""
+    functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
+    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+    def resolve(func: cst.BaseExpression, owner: cst.ClassDef | None) -> tuple[cst.FunctionDef, cst.ClassDef | None]:
+        if isinstance(func, cst.Name):
+            return functions.get(func.value), None  # type: ignore[return-value]
+        name = cst.ensure_type(func, cst.Attribute).attr.value
+        if owner is None:
+            return None, None  # type: ignore[return-value]
+        methods: dict[str, cst.FunctionDef] = {}
+        for cls in reversed(_in_file_lineage(owner, module)):  # a class's own methods win over its bases'
+            methods |= _methods(cls)
+        if name in methods:
+            return methods[name], owner
+        for init in (_methods(c).get("__init__") for c in _in_file_lineage(owner, module)):
+            assign = m.Assign(
+                targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))],
+                value=m.Call(func=m.Name()),
+            )
+            for node in m.findall(init, assign) if init is not None else []:
+                sub = classes.get(cst.ensure_type(cst.ensure_type(node, cst.Assign).value, cst.Call).func.value)  # type: ignore[attr-defined]
+                if sub is not None:
+                    return resolve(cst.Attribute(value=cst.Name("self"), attr=cst.Name("forward")), sub)[0], sub
+        return None, None  # type: ignore[return-value]
+
+    for stmt in stmts:
+        seen: set[int] = set()
+        todo: list[tuple[cst.CSTNode, cst.ClassDef | None, tuple[str, ...]]] = [(stmt, moe, ())]
+        while todo:
+            node, owner, chain = todo.pop()
+            for call in m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()) | m.Name())):
+                func = cst.ensure_type(call, cst.Call).func
+                target, target_owner = resolve(func, owner)
+                if target is None or id(target) in seen:
+                    continue
+                seen.add(id(target))
+                name = func.attr.value if isinstance(func, cst.Attribute) else cst.ensure_type(func, cst.Name).value  # type: ignore[attr-defined]
+                if m.findall(target, m.Attribute(attr=m.Name("training"))):
+                    calls = " -> ".join(f"{c}()" for c in (*chain, name))
+                    raise RewriteError(
+                        f"{where}: `{_code(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
+                        "moe-rewrite cannot mirror it in training"
+                    )
+                todo.append((target, target_owner, (*chain, name)))
+
+
+def _in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
+    """The class and its bases defined in the file, nearest first."""
+    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+    lineage, todo = [], [cls]
+    while todo:
+        current = todo.pop(0)
+        if current in lineage:
+            continue
+        lineage.append(current)
+        todo += [
+            classes[b.value.value] for b in current.bases if isinstance(b.value, cst.Name) and b.value.value in classes
+        ]
+    return lineage
+
+
+def _refuse_overriding_subclasses(module: cst.Module, moe: cst.ClassDef) -> None:
+    """A class of the file deriving from the MoE class (directly or through other classes of the file) that overrides
+    forward or moe_infer would run its own code where moe-rewrite proved the MoE class's: refused by name."""
+    for cls in module.body:
+        if not isinstance(cls, cst.ClassDef) or cls is moe or moe not in _in_file_lineage(cls, module):
+            continue
+        overrides = sorted({"forward", "moe_infer", "moe_train", "moe_rewrite_infer"} & _methods(cls).keys())
+        if overrides:
+            raise RewriteError(
+                f"{cls.name.value} derives from {moe.name.value} and overrides {', '.join(overrides)}; moe-rewrite "
+                f"rewrites {moe.name.value}'s own and cannot prove the override: make it use {moe.name.value}'s"
+            )
 
 
 def _same_code(node: cst.CSTNode, expected: str) -> bool:
@@ -451,13 +610,22 @@ def _name_of(expr: cst.BaseExpression) -> str:
     return expr.value
 
 
-def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.FunctionDef, str]:
-    """The MoE forward with its training branch calling moe_train, and the form ("v3" or "v2")."""
+def rewrite_forward(
+    moe: cst.ClassDef, options: RewriteOptions, module: cst.Module | None = None
+) -> tuple[cst.FunctionDef, str]:
+    """The MoE forward with its training branch calling moe_train, and the form ("v3" or "v2"). `module`, the file,
+    is where the eval branch's helpers are looked up."""
     name = moe.name.value
     where = f"{name}.forward"
     forward = drop_training_guards(_methods(moe)["forward"], where)
     if "moe_infer" not in _methods(moe):
         return _rewrite_esft(forward, options, where), "esft"
+    moe_infer = _methods(moe)["moe_infer"]
+    params = [p.name.value for p in moe_infer.params.params][1:]  # proved below: (self, tokens, ids, weights)
+
+    def bind(call: cst.Call) -> list[cst.Arg]:
+        return _bind(call, params, where)
+
     arity = _gate_arity(forward, where)
     branch = _training_if(forward, where)
     if arity == 2 and m.matches(branch.test, NOT_SELF_TRAINING):
@@ -465,8 +633,11 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             raise RewriteError(
                 f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write"
             )
+        if module is not None:
+            _refuse_helpers_reading_training(_block(branch.body).body, moe, module, where)
         new_branch = branch.with_changes(
-            body=_eval_through_moe_rewrite(branch.body), orelse=_v3_training_else(branch.body, options, where)
+            body=_eval_through_moe_rewrite(branch.body, bind),
+            orelse=_v3_training_else(branch.body, options, bind, where),
         )
         form = "v3"
     elif arity == 3 and m.matches(branch.test, SELF_TRAINING):
@@ -476,10 +647,10 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             )
         if branch.orelse is None:
             raise RewriteError(f"{where}: `if self.training:` has no else branch calling self.moe_infer(...)")
-        infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where))
+        infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where), params, where)
         new_branch = branch.with_changes(
             body=_rewrite_v2_training_body(_block(branch.body), infer_args, forward, branch, where),
-            orelse=branch.orelse.with_changes(body=_eval_through_moe_rewrite(branch.orelse.body)),
+            orelse=branch.orelse.with_changes(body=_eval_through_moe_rewrite(branch.orelse.body, bind)),
         )
         form = "v2"
     else:
@@ -487,6 +658,8 @@ def rewrite_forward(moe: cst.ClassDef, options: RewriteOptions) -> tuple[cst.Fun
             f"{where}: unrecognised structure (self.gate returns {arity} values; "
             "expected 2 with `if not self.training:` (V3 form) or 3 with `if self.training:` (V2 form))"
         )
+    # last, so that a file of another structure is told what in its forward is not recognised
+    check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
     return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
 
 
@@ -559,7 +732,8 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = find_moe_class(module)
-    forward, form = rewrite_forward(moe, context.options)
+    _refuse_overriding_subclasses(module, moe)
+    forward, form = rewrite_forward(moe, context.options, module)
     old_forward = _methods(moe)["forward"]
     new_moe = moe.with_changes(
         body=moe.body.with_changes(body=[forward if s is old_forward else s for s in moe.body.body])
