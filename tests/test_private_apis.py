@@ -40,6 +40,8 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         "_is_fsdp_managed_module",
         "_is_hf_initialized",
         "_hf_hook",
+        "_forward_hooks",
+        "_forward_pre_hooks",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -84,6 +86,16 @@ def test_tensor_hook_attributes_show_registered_hooks():
     other = torch.nn.Parameter(torch.randn(2))
     other.register_post_accumulate_grad_hook(lambda p: None)
     assert other._post_accumulate_grad_hooks is not None
+
+
+def test_module_hook_dicts_show_registered_forward_hooks():
+    """expert_linears.py: an expert with forward hooks (DeepSpeed, accelerate, a user's) is not what the grouped GEMMs
+    compute, so it is never fused; the hooks show in these two dicts, empty until one is registered."""
+    module = torch.nn.Linear(2, 2)
+    assert not module._forward_hooks and not module._forward_pre_hooks
+    module.register_forward_hook(lambda mod, args, out: out)
+    module.register_forward_pre_hook(lambda mod, args: None)
+    assert len(module._forward_hooks) == 1 and len(module._forward_pre_hooks) == 1
 
 
 def test_foreach_add_adds_in_place():

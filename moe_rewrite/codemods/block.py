@@ -1,7 +1,7 @@
 """Put the generated code into the file: the module-level statements of the sections the other codemods asked for,
 as one block in front of the MoE class, and their MoE-class methods right after its forward()::
 
-    # ---- moe-rewrite 0.3.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
+    # ---- moe-rewrite 0.4.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
     # Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
     _moe_rewrite_options = {...}
     ...                                  # runtime/dispatch.py, route.py, ... (render.SECTIONS order)
