@@ -13,10 +13,13 @@ SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()
 
 def test_second_run_changes_nothing_and_no_compat_takes_it_back():
     once = rewrite_source(SOURCE).text
-    assert "_moe_rewrite_cache_usable_length(past_key_value, q_len, self.layer_idx)" in once
+    assert "_moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)" in once
     assert "class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):" in once
-    assert 'scaling_type = _moe_rewrite_rope_scaling(config)["type"]' in once
-    assert "_moe_rewrite_records_init(\n    DeepseekV3RotaryEmbedding,\n)" in once
+    assert 'scaling_type = _moe_rewrite_rope_scaling(self.config)["type"]' in once
+    rope_classes = "".join(
+        f"\n    DeepseekV3{kind}RotaryEmbedding," for kind in ("", "LinearScaling", "DynamicNTKScaling", "Yarn")
+    )
+    assert f"_moe_rewrite_records_init({rope_classes}\n)" in once
     assert rewrite_source(once).changed is False
     off = RewriteOptions(compat=False)
     taken_back, never = rewrite_source(once, off).text, rewrite_source(SOURCE, off).text

@@ -98,6 +98,73 @@ def test_v3_selection_in_training_equals_eval_and_bias_gets_no_gradient(tmp_path
     assert moe.gate.e_score_correction_bias.grad is None
 
 
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_eager_attention_on_a_padded_batch_gives_finite_outputs_and_gradients(patched, form, padding, rope):
+    """The stand-in's eager attention (the published computation, the reference for any faster one) in training, fp32,
+    on a batch whose first sequence is padded: logits, loss and every gradient finite; every probability row sums to
+    1; no real query attends to a padded key; a query whose keys are all masked (left padding) averages every key
+    uniformly, as the published additive mask makes it (scores + finfo.min round to finfo.min). With no label
+    predicted from a padded position, the padded tokens reach the loss only through the V2 router's aux loss: their
+    embedding gets a gradient in V2 and none in V3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = {"rope_scaling": YARN} if rope == "yarn" else {}
+    config = AutoConfig.from_pretrained(patched, trust_remote_code=True, **overrides)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(
+        config, trust_remote_code=True, torch_dtype=torch.float32, attn_implementation="eager"
+    ).train()
+    attention = model.model.layers[0].self_attn
+    assert type(attention).__name__ == f"DeepseekV{form[1]}Attention"
+    if rope == "yarn":
+        assert type(attention.rotary_emb).__name__ == f"DeepseekV{form[1]}YarnRotaryEmbedding"
+        mscale = 0.1 * 0.8 * torch.log(torch.tensor(4.0)).item() + 1.0
+        assert attention.softmax_scale == pytest.approx(attention.q_head_dim**-0.5 * mscale**2)
+    seq, pad, pad_id = 10, 4, 255
+    ids = torch.randint(0, pad_id, (2, seq), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    padded = slice(seq - pad, seq) if padding == "right" else slice(0, pad)
+    mask[0, padded] = 0
+    ids[0, padded] = pad_id  # a token id only the padding uses
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    labels = ids.masked_fill(mask == 0, -100)
+    if padding == "left":
+        labels[0, pad] = -100  # the first real token would be predicted from the last padded position
+
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, labels=labels, output_attentions=True)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in grads
+    assert all(torch.isfinite(g).all() for g in grads.values()), [n for n, g in grads.items() if not g.isfinite().all()]
+
+    probs = out.attentions[0]  # (batch, heads, query, key) of the first layer
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+    real = mask[0].bool()
+    assert (probs[0][:, real][..., ~real] == 0).all()  # real queries never see padded keys
+    if padding == "left":  # the padded queries have no key left: the uniform average over all of them
+        torch.testing.assert_close(probs[0, :, :pad], torch.full_like(probs[0, :, :pad], 1 / seq))
+    else:  # the padded queries still see the real keys, and only them
+        assert (probs[0][..., ~real] == 0).all()
+    pad_embedding_grad = model.model.embed_tokens.weight.grad[pad_id]
+    if form == "v2":
+        assert pad_embedding_grad.abs().sum() > 0
+    else:
+        assert (pad_embedding_grad == 0).all()
+
+
 @pytest.mark.parametrize("routing", ["all-to-one", "random"])
 @pytest.mark.parametrize("options", [(), ("--stacking", "sequential")], ids=["stack", "sequential"])
 def test_moe_train_with_given_routing(tmp_path_factory, routing, options):
@@ -377,3 +444,93 @@ def test_torch_grouped_mm_kernel_matches_the_reference(tmp_path_factory, monkeyp
             assert rel_err(grads[name], r.grad) < 2e-2, name
         else:
             assert torch.count_nonzero(grads[name]) == 0 and not torch.isnan(grads[name]).any(), name
+
+
+def _fake_flash_attn(monkeypatch, module) -> None:
+    """flash-attn's functions, as the file calls them, computed with torch (flash-attn needs a GPU): (batch, seq,
+    heads, dim) tensors, a causal mask aligned to the last key, packed sequences with cumulative lengths."""
+
+    def attend(q, k, v, softmax_scale, causal):  # (seq, heads, dim) each
+        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+        if causal:
+            blocked = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(k.shape[0] - q.shape[0] + 1)
+            scores = scores.masked_fill(blocked, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+        assert dropout_p == 0.0
+        return torch.stack([attend(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])])
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+        assert kwargs["dropout_p"] == 0.0
+        pieces = [
+            attend(q[cq0:cq1], k[ck0:ck1], v[ck0:ck1], kwargs["softmax_scale"], kwargs["causal"])
+            for cq0, cq1, ck0, ck1 in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])
+        ]
+        return torch.cat(pieces)
+
+    def unpad_input(hidden, mask):
+        indices = torch.nonzero(mask.flatten()).flatten()
+        lengths = mask.sum(-1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        return hidden.reshape(-1, *hidden.shape[2:])[indices], indices, cu, int(lengths.max()), lengths
+
+    def pad_input(hidden, indices, batch, seqlen):
+        out = hidden.new_zeros(batch * seqlen, *hidden.shape[1:])
+        out[indices] = hidden
+        return out.view(batch, seqlen, *hidden.shape[1:])
+
+    fakes = {
+        "flash_attn_func": flash_attn_func,
+        "flash_attn_varlen_func": flash_attn_varlen_func,
+        "index_first_axis": lambda x, indices: x[indices],
+        "unpad_input": unpad_input,
+        "pad_input": pad_input,
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(module, name, fake, raising=False)
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_flash_attention_class_gives_the_eager_numbers(patched, form, padding, monkeypatch):
+    """The file's flash-attention-2 class (v padded to the q/k head size, the 2-D mask, packed sequences) gives the
+    eager class's outputs on every real query, for a prompt and then a cached one-token step; flash-attn itself is
+    replaced by a torch computation of what it computes."""
+    from transformers import DynamicCache
+
+    model = build_model(patched, seed=7)
+    module = model_module(model)
+    _fake_flash_attn(monkeypatch, module)
+    eager = model.model.layers[0].self_attn.eval()
+    flash = getattr(module, f"DeepseekV{form[1]}FlashAttention2")(model.config, layer_idx=0).eval()
+    flash.load_state_dict(eager.state_dict())
+    assert module.ATTENTION_CLASSES["flash_attention_2"] is type(flash)
+
+    batch, seq = 2, 9
+    mask = torch.ones(batch, seq + 1, dtype=torch.long)
+    if padding == "right":
+        mask[0, seq - 3 : seq] = 0
+    elif padding == "left":
+        mask[0, :3] = 0
+    hidden = torch.randn(batch, seq + 1, model.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = {"eager": DynamicCache(), "flash": DynamicCache()}
+    with torch.no_grad():
+        for start, stop in ((0, seq), (seq, seq + 1)):  # the prompt, then one cached step
+            step_mask = mask[:, :stop]
+            four_d = module._prepare_4d_causal_attention_mask(
+                step_mask, (batch, stop - start), hidden[:, start:stop], start
+            )
+            two_d = step_mask if padding != "none" else None
+            outs = {
+                name: attn(
+                    hidden[:, start:stop],
+                    attention_mask=four_d if name == "eager" else two_d,
+                    position_ids=positions[:, start:stop],
+                    past_key_value=caches[name],
+                    use_cache=True,
+                )[0]
+                for name, attn in (("eager", eager), ("flash", flash))
+            }
+            real = mask[:, start:stop].bool()
+            torch.testing.assert_close(outs["flash"][real], outs["eager"][real], rtol=1e-5, atol=1e-6)
