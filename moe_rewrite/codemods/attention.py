@@ -266,6 +266,7 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
     optional_check("S")
     if i < len(trees) and trees[i] is not None and _matches("assert", trees[i], bound):
         i += 1
+    mask_added = False
     mask_add = trees[i] if i < len(trees) else None
     if isinstance(mask_add, ast.If) and mask_add.body and len(mask_add.body) == 2:  # the mask's own shape check
         check = mask_add.body[0]
@@ -273,13 +274,14 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
             if not _is_check(check, bound["M"]):
                 return f"the mask add holds `{ast.unparse(check).splitlines()[0]}`, not a shape check"
             i += 1
+            mask_added = True
     for name, what in [
         ("mask", "the mask add `S = S + M` under `if M is not None:`"),
         ("softmax", "the fp32 softmax `.to(Q.dtype)`"),
         ("dropout", "the dropout with `training=self.training`"),
         ("value", "the value matmul `torch.matmul(S, V)`"),
     ]:
-        if name == "mask" and "M" in bound:
+        if name == "mask" and mask_added:
             continue
         reason = step(name, what)
         if reason:

@@ -9,7 +9,8 @@ import torch
 # _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
 from .dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
 
-_moe_rewrite_attention_cache = {}  # (device, dtype, q/k head dim, v head dim) -> "cudnn", "flash_padded" or "sdpa"
+# (device, dtype, q/k head dim, v head dim) -> "math", "cudnn", "flash_padded" or "sdpa"
+_moe_rewrite_attention_cache = {}
 
 
 def _moe_rewrite_sdpa_enabled():
@@ -37,6 +38,11 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
         )
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend == "math":
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+            )
     if backend == "cudnn":  # torch's own order would pick the memory-efficient kernel, no faster than eager here
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         with sdpa_kernel(order + [SDPBackend.MATH], set_priority=True):
@@ -54,14 +60,17 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
 
 
 def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
-    """The SDPA backend for these head dims on `device` in `dtype`: "cudnn" where cuDNN's attention runs them (q/k 192
-    with v 128 as MLA has them: the fastest measured, bench/NOTES.md), else "flash_padded" where the dims differ and
-    fit flash, else "sdpa" (torch's own choice: CPU, float32, equal dims). Decided on first use and kept."""
+    """The SDPA backend for these head dims on `device` in `dtype`. Off CUDA "math", the published arithmetic: torch's
+    CPU flash kernel (equal head dims) loses log(keys) in the logsumexp of a fully masked row (left padding), where
+    the scores are the lowest float, so its backward scales that row's gradient by the number of keys. On CUDA
+    "cudnn" where cuDNN's attention runs the dims (q/k 192 with v 128 as MLA has them: the fastest measured,
+    bench/NOTES.md), else "flash_padded" where the dims differ and fit flash, else "sdpa" (torch's own choice:
+    float32, equal dims). Decided on first use and kept."""
     if torch.compiler.is_compiling():  # no probe inside a traced graph; torch.compile picks its own kernel
         return "sdpa"
     key = (device, dtype, qk_dim, v_dim)
     if key not in _moe_rewrite_attention_cache:
-        backend = "sdpa"
+        backend = "math" if device.type != "cuda" else "sdpa"
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             if _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
                 backend = "cudnn"
