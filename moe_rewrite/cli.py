@@ -79,9 +79,12 @@ class Reporter:
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def attention(self, result: RewriteResult) -> None:
-        """Under a file's line: what the attention codemod did, and each attention left as published and why."""
+        """Under a file's line: each attention left as published and why; with -v also the classes that run SDPA."""
         for line in result.attention:
-            self.info(f"  {line}")
+            if " left as published: " in line:
+                self.info(f"  {line}")
+            else:
+                self.detail(f"  {line}")
 
     def summary(self, would: bool) -> None:
         """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""

@@ -256,8 +256,12 @@ def test_cli_no_sdpa_and_the_summary_line(tmp_path):
     path.write_text(SNIPPET)
     code, _, err = run_cli(path, "--check", "--no-sdpa")
     assert code == 1 and "no-sdpa" in err and "attention:" not in err
-    code, _, err = run_cli(path, "--in-place")
+    code, _, err = run_cli(path, "--in-place", "-v")
     assert code == 1 and f"\n  {DEFAULT_LINE}\n" in err
+    left = path.with_name("left.py")
+    left.write_text(_variant(SOFTMAX, SOFTMAX.replace("torch.float32", "torch.float16")))
+    code, _, err = run_cli(left, "--check")
+    assert code == 1 and "\n  attention: SelfAttention left as published: `scores = nn.functional.softmax(" in err
     assert "_moe_rewrite_attention(" in path.read_text()
 
 
