@@ -349,6 +349,16 @@ LEFT = {
         "`scores` is read after the core",
     ),
     "a scale reading the scores": (SCORES, SCORES.replace("self.scale", "scores.max()"), "is not a number SDPA"),
+    "a test for eager elsewhere": (
+        "ATTENTION_CLASSES = {",
+        'EAGER = config._attn_implementation == "eager"\nATTENTION_CLASSES = {',
+        "the file reads `EAGER = config._attn_implementation == 'eager'`",
+    ),
+    "a lookup in a dict without the eager class": (
+        "ATTENTION_CLASSES = {",
+        "LAYER = OTHER_CLASSES[config._attn_implementation]\nATTENTION_CLASSES = {",
+        "the file reads `LAYER = OTHER_CLASSES[config._attn_implementation]`",
+    ),
     "no self.config": (
         "        self.config = config\n        self.heads",
         "        self.heads",
@@ -398,6 +408,15 @@ def test_the_rewritten_class_gives_the_published_numbers_under_sdpa_and_eager():
     for key in [("eager", False), ("sdpa", True)]:
         for a, b in zip(runs["sdpa", False], runs[key]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_lookup_in_the_extended_dict_and_a_flash_test_are_kept():
+    text = _variant(
+        "ATTENTION_CLASSES = {",
+        'FLASH = config._attn_implementation == "flash_attention_2"\nATTENTION_CLASSES = {',
+    )
+    text += "\n\ndef layer(config):\n    return ATTENTION_CLASSES[config._attn_implementation](config)\n"
+    assert rewrite_source(text).attention == (DEFAULT_LINE,)
 
 
 def test_a_class_without_the_core_is_not_reported():

@@ -460,6 +460,28 @@ def _with_supports_sdpa(cls: cst.ClassDef, module: cst.Module) -> cst.ClassDef:
     return cls.with_changes(body=cls.body.with_changes(body=members))
 
 
+def _other_choice(module: cst.Module, context: Context, dicts: set[str]) -> str | None:
+    """The first read of `_attn_implementation` that "sdpa" would change: anything but a lookup in one of `dicts`
+    (which get an "sdpa" entry) or a test for "flash_attention_2" (VL2 builds "mla_" + the name; a test for "eager"
+    would take another path under sdpa)."""
+    for stmt in module.body:
+        if "_attn_implementation" not in context.index.facts(stmt).attributes:
+            continue
+        tree = ast.parse(_code(stmt))
+        fine = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in dicts:
+                fine.add(id(node.slice))
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+                if isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value == "flash_attention_2":
+                    fine.add(id(node.left))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "_attn_implementation" and id(node) not in fine:
+                line = next(x for x in ast.unparse(tree).splitlines() if "_attn_implementation" in x)
+                return line.strip()
+    return None
+
+
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with each proven core in its SDPA branch (with --sdpa, the default); what was left, and why, in
     context.attention."""
@@ -468,7 +490,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if not context.options.sdpa:
         return module
     classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
-    rewritten = []
+    proven = []
     for name, cls in classes.items():
         forward = _forward(cls)
         if forward is None or not {"matmul", "softmax"} <= context.index.facts(forward).attributes:
@@ -480,11 +502,17 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         if not _keeps_config(cls, classes):
             notes.append(f"attention: {name} left as published: it does not keep `self.config`")
             continue
+        proven.append((name, forward, core))
+    entries = _attention_dicts(module, [name for name, _, _ in proven])
+    other = _other_choice(module, context, {dict_name for _, dict_name, _ in entries}) if proven else None
+    if other is not None:  # a load would default to sdpa, and that line would then do something else
+        notes += [f"attention: {name} left as published: the file reads `{other}`" for name, _, _ in proven]
+        return module
+    rewritten = [name for name, _, _ in proven]
+    for _, forward, core in proven:
         module = replace(module, forward, _branch(forward, core, module))
-        rewritten.append(name)
     if not rewritten:
         return module
-    entries = _attention_dicts(module, rewritten)
     body = list(module.body)
     for i, dict_name, eager in reversed(entries):
         body.insert(i + 1, _marked_line(f'{dict_name}["sdpa"] = {eager}', ENTRY_NOTE, module))
