@@ -234,8 +234,8 @@ def _first_line(node: cst.CSTNode) -> str:
 def _find_core(forward: cst.FunctionDef) -> _Core | str:
     """The forward's published core, or why there is none (one line)."""
     body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
-    trees = [ast.parse(_code(stmt).strip("\n")).body[0] if _code(stmt).strip() else None for stmt in body]
-    matmul = [i for i, t in enumerate(trees) if t is not None and _has_score_matmul(t)]
+    trees = [ast.parse(_code(stmt)).body[0] for stmt in body]
+    matmul = [i for i, t in enumerate(trees) if _has_score_matmul(t)]
     if not matmul:
         return "no statement computes the scores as `torch.matmul(Q, K.transpose(2, 3))` at the top of its forward"
     i = matmul[0]
@@ -252,7 +252,7 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
 
     def step(name: str, what: str) -> str | None:
         nonlocal i
-        if i < len(trees) and trees[i] is not None and _matches(name, trees[i], bound):
+        if i < len(trees) and _matches(name, trees[i], bound):
             i += 1
             return None
         found = f"`{_first_line(body[i])}`" if i < len(body) else "the end of forward"
@@ -260,11 +260,11 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
 
     def optional_check(name: str) -> None:
         nonlocal i
-        if i < len(trees) and trees[i] is not None and _is_check(trees[i], bound.get(name)):
+        if i < len(trees) and _is_check(trees[i], bound.get(name)):
             i += 1
 
     optional_check("S")
-    if i < len(trees) and trees[i] is not None and _matches("assert", trees[i], bound):
+    if i < len(trees) and _matches("assert", trees[i], bound):
         i += 1
     mask_added = False
     mask_add = trees[i] if i < len(trees) else None
@@ -319,10 +319,10 @@ def _check_surroundings(forward: cst.FunctionDef, trees: list, start: int, end: 
         return f"the mask `{mask}` is not a parameter of forward"
     if "output_attentions" not in params:
         return "forward has no `output_attentions` parameter"
-    if any(t is not None and mask in _names(t, stored=True) for t in trees[:start]):
+    if any(mask in _names(t, stored=True) for t in trees[:start]):
         return f"`{mask}` is reassigned before the core"
     for t in trees[end:]:
-        if t is None or isinstance(t, ast.Return):
+        if isinstance(t, ast.Return):
             continue
         if scores in _names(t):
             return f"`{scores}` is read after the core: `{ast.unparse(t).splitlines()[0]}`"
