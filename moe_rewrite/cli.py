@@ -78,6 +78,14 @@ class Reporter:
 
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
+    def attention(self, result: RewriteResult) -> None:
+        """Under a file's line: each attention left as published and why; with -v also the classes that run SDPA."""
+        for line in result.attention:
+            if " left as published: " in line:
+                self.info(f"  {line}")
+            else:
+                self.detail(f"  {line}")
+
     def summary(self, would: bool) -> None:
         """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""
         verbs = {
@@ -151,6 +159,7 @@ def _publish(
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
     target = f" -> {sources.shown(written[0])}" if written else ""
     report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
+    report.attention(result)
     report.sections(result)
     if out is not None:
         report.info(f"  {sources.shown(out)}: {_contents(src, len(written) - 1, linked)}")
@@ -243,6 +252,13 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     help="Guard the file's uses of transformers APIs that later releases removed, so it runs on 4.46 to 5.x.",
 )
 @click.option(
+    "--sdpa/--no-sdpa",
+    default=True,
+    show_default=True,
+    help="Run the attention core through torch's scaled_dot_product_attention where the config asks for 'sdpa' "
+    "(the default load); --no-sdpa keeps the published attention.",
+)
+@click.option(
     "--fuse-experts/--no-fuse-experts",
     default=True,
     show_default=True,
@@ -276,6 +292,7 @@ def command(
     bias_update,
     gradient_checkpointing,
     compat,
+    sdpa,
     fuse_experts,
     force,
     skip_unrecognised,
@@ -322,6 +339,7 @@ def command(
         gradient_checkpointing=gradient_checkpointing,
         fuse_experts=fuse_experts,
         compat=compat,
+        sdpa=sdpa,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")
@@ -429,6 +447,7 @@ def _rewrite_file(
             click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
         report.info(f"would rewrite {src.name} ({_describe(result, options)})")
+        report.attention(result)
     report.sections(result)
     if in_place:
         # A vendored file may be a symlink: rewrite the file it points to and keep the link.
@@ -437,6 +456,7 @@ def _rewrite_file(
             raise RewriteError(f"{src.name}: cannot be rewritten in place (not writable)")
         publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
         report.info(f"Rewriting {src.name} ({_describe(result, options)})")
+        report.attention(result)
     return "rewritten"
 
 

@@ -20,6 +20,7 @@ class RewriteOptions:
     gradient_checkpointing: bool = True  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
     fuse_experts: bool = True  # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts)
     compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat.py)
+    sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/attention.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -31,7 +32,7 @@ class RewriteOptions:
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat]: the defaults are not named."""
+        [, no-compat][, no-sdpa]: the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -43,6 +44,8 @@ class RewriteOptions:
             parts.append("no-fuse-experts")
         if not self.compat:
             parts.append("no-compat")
+        if not self.sdpa:
+            parts.append("no-sdpa")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

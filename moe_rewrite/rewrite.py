@@ -17,6 +17,7 @@ from moe_rewrite.codemods import (
     Codemod,
     Context,
     Field,
+    attention,
     block,
     compat,
     expert_layout,
@@ -36,6 +37,7 @@ __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_
 # the code of every section asked for.
 CODEMODS: list[Codemod] = [
     compat,
+    attention,
     gradient_checkpointing,
     init_weights,
     moe_forward,
@@ -44,7 +46,11 @@ CODEMODS: list[Codemod] = [
     expert_layout,
     block,
 ]
-RESULT_READS: tuple[Field, ...] = ("moe", "compat")  # what rewrite_source reads from the context after them
+RESULT_READS: tuple[Field, ...] = (
+    "moe",
+    "compat",
+    "attention",
+)  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
 
@@ -73,6 +79,7 @@ class RewriteResult:
     gate_class: str
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
+    attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
@@ -114,6 +121,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         gate_class=moe.gate_class or "",
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
+        attention=tuple(context.attention_lines()),
     )
 
 

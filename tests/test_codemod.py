@@ -66,6 +66,7 @@ OPTION_CASES = {
     "bias-update": ("--bias-update", "0.001"),
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
     "no-compat": ("--no-compat",),
+    "no-sdpa": ("--no-sdpa",),
     "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
@@ -81,6 +82,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
         "--no-fuse-experts": "fuse_experts",
         "--no-gradient-checkpointing": "gradient_checkpointing",
         "--no-compat": "compat",
+        "--no-sdpa": "sdpa",
     }
     rest = list(args)
     while rest:
@@ -430,7 +432,7 @@ def test_each_codemod_reads_only_what_an_earlier_one_provides():
     gate, moe_forward = CODEMODS[names.index("gate")], CODEMODS[names.index("moe_forward")]
     with pytest.raises(InternalError, match=r"\.gate reads moe, which no codemod before it provides"):
         check_order([gate, moe_forward], RESULT_READS)
-    with pytest.raises(InternalError, match="the result reads compat, which no codemod provides"):
+    with pytest.raises(InternalError, match="the result reads attention, compat, which no codemod provides"):
         check_order([moe_forward], RESULT_READS)
     reads_nothing = types.SimpleNamespace(__name__="late", READS=("moe",), PROVIDES=())
     with pytest.raises(InternalError, match="late reads moe"):

@@ -68,7 +68,7 @@ class CompatChanges:
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
-Field = Literal["moe", "compat"]  # the Context fields one codemod fills for the later ones
+Field = Literal["moe", "compat", "attention"]  # the Context fields one codemod fills for the later ones
 
 
 @dataclass
@@ -79,6 +79,7 @@ class Context:
     sections: set[str] = field(default_factory=set)  # runtime sections the generated block must hold
     moe: MoeClassInfo | None = None  # filled by moe_forward
     compat: CompatChanges | None = None  # filled by compat
+    attention: list[str] | None = None  # filled by attention: its summary lines
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 
@@ -93,6 +94,11 @@ class Context:
         if self.moe is None:  # CODEMODS' order is checked against READS, so only a bug gets here
             raise InternalError("the MoE class was read before moe_forward found it")
         return self.moe
+
+    def attention_lines(self) -> list[str]:
+        if self.attention is None:
+            raise InternalError("the attention lines were read before the attention codemod ran")
+        return self.attention
 
     def compat_changes(self) -> CompatChanges:
         if self.compat is None:

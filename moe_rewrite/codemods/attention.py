@@ -1,0 +1,528 @@
+"""Run the attention core through SDPA where the config asks for "sdpa" (on by default; --no-sdpa).
+
+The published eager attention computes its core by hand: an O(S²) score tensor, an fp32 softmax and dropout. Where a
+class's forward holds exactly that core (proven statement by statement on the syntax tree, up to names, formatting
+and comments), the core goes into the else of a branch that calls torch's scaled_dot_product_attention::
+
+    # Before
+    attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.softmax_scale
+    if attn_weights.size() != (bsz, self.num_heads, q_len, kv_seq_len):
+        raise ValueError(...)
+    assert attention_mask is not None
+    if attention_mask is not None:
+        ...
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=self.attention_dropout, training=self.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    ...
+    ATTENTION_CLASSES = {"eager": DeepseekV3Attention, "flash_attention_2": DeepseekV3FlashAttention2}
+    class DeepseekV3PreTrainedModel(PreTrainedModel):
+        _supports_flash_attn_2 = True
+    # After
+    # moe-rewrite: SDPA where the config asks for it; the published core otherwise
+    if self.config._attn_implementation == "sdpa" and not output_attentions and _moe_rewrite_sdpa_enabled():
+        attn_weights = None
+        attn_output = _moe_rewrite_attention(
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            self.softmax_scale,
+            self.attention_dropout if self.training else 0.0,
+        )
+    else:
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.softmax_scale
+        ...  # the published core, untouched
+    ...
+    ATTENTION_CLASSES = {"eager": DeepseekV3Attention, "flash_attention_2": DeepseekV3FlashAttention2}
+    ATTENTION_CLASSES["sdpa"] = DeepseekV3Attention  # moe-rewrite: ...
+    class DeepseekV3PreTrainedModel(PreTrainedModel):
+        _supports_flash_attn_2 = True
+        _supports_sdpa = True  # moe-rewrite: ...
+
+With `_supports_sdpa`, transformers 4.46 to 5.x load the model with "sdpa" unless the caller names another
+implementation: `attn_implementation="eager"` keeps the published core, "flash_attention_2" the file's flash class.
+A class whose core differs in any way (an extra score term, another softmax dtype, another order, the mask reassigned
+before it) is left as published, and the summary says so; the file is still rewritten. Every run first takes back
+what an earlier one added, so --no-sdpa gives the published attention back and a second run changes nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+import libcst.matchers as m
+
+from moe_rewrite.codemods import MARK, Context, Field, is_marked, replace
+
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ("attention",)
+
+NOTE = f"{MARK}: SDPA where the config asks for it; the published core otherwise"
+ENTRY_NOTE = f"{MARK}: the eager class runs SDPA when the config says sdpa"
+SUPPORTS_NOTE = f"{MARK}: loads default to SDPA; attn_implementation='eager' keeps the published core"
+BRANCH = (
+    'if self.config._attn_implementation == "sdpa" and not output_attentions and _moe_rewrite_sdpa_enabled():\n'
+    "    {weights} = None\n"
+    "    {output} = _moe_rewrite_attention(\n"
+    "        {query},\n"
+    "        {key},\n"
+    "        {value},\n"
+    "        {mask},\n"
+    "        {scale},\n"
+    "        {dropout} if self.training else 0.0,\n"
+    "    )\n"
+    "else:\n"
+    "    pass\n"
+)
+OUR_CALL = "_moe_rewrite_attention"
+SDPA_DEFAULT = "loads default to sdpa; attn_implementation='eager' keeps the published core"
+PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
+SDPA_ENTRY = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(m.Subscript(slice=[m.SubscriptElement(m.Index(m.SimpleString()))]))])]
+)
+SUPPORTS_SDPA = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("_supports_sdpa"))])])
+
+# The published core, one statement each, in capitals the names it binds: S the scores, Q K V, M the mask, O the
+# output; SCALE and P any expression (checked below). Softmax and dropout in nn.functional's two spellings.
+PLACEHOLDERS = {"S", "Q", "K", "V", "M", "O"}
+WILDCARDS = {"SCALE", "P"}
+FUNCTIONAL = ("nn.functional", "torch.nn.functional")
+SCORE = ["S = torch.matmul(Q, K.transpose(2, 3)) * SCALE"]
+SCORE_ALONE = ["S = torch.matmul(Q, K.transpose(2, 3))"]
+SCALED = ["S = S * SCALE"]
+ASSERT_MASK = ["assert M is not None"]
+MASK_ADD = ["if M is not None:\n    S = S + M"]
+SOFTMAX = [f"S = {f}.softmax(S, dim=-1, dtype=torch.float32).to(Q.dtype)" for f in FUNCTIONAL]
+DROPOUT = [f"S = {f}.dropout(S, p=P, training=self.training)" for f in FUNCTIONAL]
+VALUE = ["O = torch.matmul(S, V)"]
+
+
+def _template(text: str) -> ast.stmt:
+    return ast.parse(text).body[0]
+
+
+TEMPLATES = {
+    name: [_template(t) for t in texts]
+    for name, texts in {
+        "score": SCORE,
+        "score_alone": SCORE_ALONE,
+        "scaled": SCALED,
+        "assert": ASSERT_MASK,
+        "mask": MASK_ADD,
+        "softmax": SOFTMAX,
+        "dropout": DROPOUT,
+        "value": VALUE,
+    }.items()
+}
+IGNORED_FIELDS = {"ctx", "lineno", "col_offset", "end_lineno", "end_col_offset", "type_comment", "kind"}
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _unify(template: object, node: object, bound: dict[str, object]) -> None:
+    """Raises _NoMatch unless `node` is `template` with its placeholders bound consistently (a placeholder to one
+    name, two placeholders to two names) and its wildcards to any expression."""
+    if isinstance(template, ast.Name) and template.id in WILDCARDS:
+        if template.id in bound and ast.dump(bound[template.id]) != ast.dump(node):  # type: ignore[arg-type]
+            raise _NoMatch
+        bound[template.id] = node
+        return
+    if isinstance(template, ast.Name) and template.id in PLACEHOLDERS:
+        if not isinstance(node, ast.Name):
+            raise _NoMatch
+        if template.id in bound:
+            if bound[template.id] != node.id:
+                raise _NoMatch
+        elif node.id in {v for k, v in bound.items() if k in PLACEHOLDERS}:
+            raise _NoMatch
+        bound[template.id] = node.id
+        return
+    if isinstance(template, list):
+        if not isinstance(node, list) or len(node) != len(template):
+            raise _NoMatch
+        for t, n in zip(template, node):
+            _unify(t, n, bound)
+        return
+    if isinstance(template, ast.AST):
+        if type(node) is not type(template):
+            raise _NoMatch
+        for name, value in ast.iter_fields(template):
+            if name not in IGNORED_FIELDS:
+                _unify(value, getattr(node, name, None), bound)
+        return
+    if type(template) is not type(node) or template != node:
+        raise _NoMatch
+
+
+def _matches(name: str, node: ast.stmt, bound: dict[str, object]) -> bool:
+    """Whether `node` is one of the templates `name`, binding into `bound` (left as it was when not)."""
+    for template in TEMPLATES[name]:
+        trial = dict(bound)
+        try:
+            _unify(template, node, trial)
+        except _NoMatch:
+            continue
+        bound.update(trial)
+        return True
+    return False
+
+
+def _is_check(node: ast.stmt, name: object) -> bool:
+    """`if <name>.size() != ...: raise ...`: a shape check, which only raises."""
+    if not (isinstance(node, ast.If) and not node.orelse and len(node.body) == 1):
+        return False
+    test = node.test
+    return (
+        isinstance(node.body[0], ast.Raise)
+        and isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.NotEq)
+        and isinstance(test.left, ast.Call)
+        and not test.left.args
+        and not test.left.keywords
+        and isinstance(test.left.func, ast.Attribute)
+        and test.left.func.attr == "size"
+        and isinstance(test.left.func.value, ast.Name)
+        and test.left.func.value.id == name
+    )
+
+
+def _names(node: ast.AST, stored: bool = False) -> set[str]:
+    """The names `node` reads (stored=False) or binds or deletes (stored=True)."""
+    kinds = (ast.Store, ast.Del) if stored else (ast.Load,)
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, kinds)}
+
+
+SCALAR_NODES = (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop, ast.Load)
+
+
+def _scalar(node: ast.AST, bound: dict[str, object]) -> bool:
+    """A scale made of names, attributes, numbers and arithmetic (math.sqrt(...) too), reading none of the core's
+    tensors: SDPA takes it as `scale=`."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            if not (
+                isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "math"
+            ):
+                return False
+        elif not isinstance(n, SCALAR_NODES):
+            return False
+    return not _names(node) & {v for k, v in bound.items() if k in PLACEHOLDERS}
+
+
+class _Core:
+    """The core found in a forward: statements [start, end) of its body, and what they bind."""
+
+    def __init__(self, start: int, end: int, bound: dict[str, object]) -> None:
+        self.start, self.end, self.bound = start, end, bound
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _first_line(node: cst.CSTNode) -> str:
+    lines = [line.strip() for line in _code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
+    return lines[0] if lines else ""
+
+
+def _find_core(forward: cst.FunctionDef) -> _Core | str:
+    """The forward's published core, or why there is none (one line)."""
+    body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
+    trees = [ast.parse(_code(stmt)).body[0] for stmt in body]
+    matmul = [i for i, t in enumerate(trees) if _has_score_matmul(t)]
+    if not matmul:
+        return "no statement computes the scores as `torch.matmul(Q, K.transpose(2, 3))` at the top of its forward"
+    i = matmul[0]
+    bound: dict[str, object] = {}
+    if not (_matches("score", trees[i], bound) or (_matches("score_alone", trees[i], bound))):
+        return f"the scores `{_first_line(body[i])}` are not `torch.matmul(Q, K.transpose(2, 3))` times a scale"
+    start, i = i, i + 1
+    if "SCALE" not in bound:
+        if i >= len(trees) or not _matches("scaled", trees[i], bound):
+            return f"the scores `{_first_line(body[start])}` are not scaled by the next statement"
+        i += 1
+    if not _scalar(bound["SCALE"], bound):  # type: ignore[arg-type]
+        return f"the scale `{ast.unparse(bound['SCALE'])}` is not a number SDPA can take"  # type: ignore[arg-type]
+
+    def step(name: str, what: str) -> str | None:
+        nonlocal i
+        if i < len(trees) and _matches(name, trees[i], bound):
+            i += 1
+            return None
+        found = f"`{_first_line(body[i])}`" if i < len(body) else "the end of forward"
+        return f"{found} where the published core has {what}"
+
+    def optional_check(name: str) -> None:
+        nonlocal i
+        if i < len(trees) and _is_check(trees[i], bound.get(name)):
+            i += 1
+
+    optional_check("S")
+    if i < len(trees) and _matches("assert", trees[i], bound):
+        i += 1
+    mask_added = False
+    mask_add = trees[i] if i < len(trees) else None
+    if isinstance(mask_add, ast.If) and mask_add.body and len(mask_add.body) == 2:  # the mask's own shape check
+        check = mask_add.body[0]
+        if _matches("mask", ast.If(test=mask_add.test, body=mask_add.body[1:], orelse=mask_add.orelse), bound):
+            if not _is_check(check, bound["M"]):
+                return f"the mask add holds `{ast.unparse(check).splitlines()[0]}`, not a shape check"
+            i += 1
+            mask_added = True
+    for name, what in [
+        ("mask", "the mask add `S = S + M` under `if M is not None:`"),
+        ("softmax", "the fp32 softmax `.to(Q.dtype)`"),
+        ("dropout", "the dropout with `training=self.training`"),
+        ("value", "the value matmul `torch.matmul(S, V)`"),
+    ]:
+        if name == "mask" and mask_added:
+            continue
+        reason = step(name, what)
+        if reason:
+            return reason
+    optional_check("O")
+    if _names(bound["P"]) & {v for k, v in bound.items() if k in PLACEHOLDERS}:  # type: ignore[arg-type]
+        return f"the dropout rate `{ast.unparse(bound['P'])}` reads the core's tensors"  # type: ignore[arg-type]
+    return _check_surroundings(forward, trees, start, i, bound)
+
+
+def _has_score_matmul(tree: ast.stmt) -> bool:
+    """An assignment whose value calls torch.matmul(_, _.transpose(...)): where a core starts."""
+    if not isinstance(tree, ast.Assign):
+        return False
+    for n in ast.walk(tree.value):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "matmul"
+            and len(n.args) == 2
+        ):
+            second = n.args[1]
+            if isinstance(second, ast.Call) and isinstance(second.func, ast.Attribute):
+                if second.func.attr == "transpose":
+                    return True
+    return False
+
+
+def _check_surroundings(forward: cst.FunctionDef, trees: list, start: int, end: int, bound: dict) -> _Core | str:
+    """The mask is the forward's parameter, not rebound before the core; output_attentions is a parameter; the scores
+    are read after the core only by `return` (the branch sets them to None)."""
+    params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
+    mask, scores = bound["M"], bound["S"]
+    if mask not in params:
+        return f"the mask `{mask}` is not a parameter of forward"
+    if "output_attentions" not in params:
+        return "forward has no `output_attentions` parameter"
+    if any(mask in _names(t, stored=True) for t in trees[:start]):
+        return f"`{mask}` is reassigned before the core"
+    for t in trees[end:]:
+        if isinstance(t, ast.Return):
+            continue
+        if scores in _names(t):
+            return f"`{scores}` is read after the core: `{ast.unparse(t).splitlines()[0]}`"
+    return _Core(start, end, bound)
+
+
+def _keeps_config(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> bool:
+    """Whether the class (or a base in the file) sets `self.config`: the branch reads self.config."""
+    keeps = m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name("config")))])
+    if m.findall(cls, keeps):
+        return True
+    bases = [b.value.value for b in cls.bases if isinstance(b.value, cst.Name)]
+    return any(base in classes and _keeps_config(classes[base], classes) for base in bases)
+
+
+def _branch(forward: cst.FunctionDef, core: _Core, module: cst.Module) -> cst.FunctionDef:
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    statements = body[core.start : core.end]
+    b = core.bound
+    text = BRANCH.format(
+        weights=b["S"],
+        output=b["O"],
+        query=b["Q"],
+        key=b["K"],
+        value=b["V"],
+        mask=b["M"],
+        scale=ast.unparse(b["SCALE"]),  # type: ignore[arg-type]
+        dropout=ast.unparse(b["P"]),  # type: ignore[arg-type]
+    )
+    branch = cst.ensure_type(
+        cst.parse_statement(text.replace("\n", module.default_newline), config=module.config_for_parsing), cst.If
+    )
+    first = statements[0]
+    core_block = [first.with_changes(leading_lines=[]), *statements[1:]]
+    orelse = cst.ensure_type(branch.orelse, cst.Else)
+    branch = branch.with_changes(
+        leading_lines=[*first.leading_lines, cst.EmptyLine(comment=cst.Comment(NOTE))],
+        orelse=orelse.with_changes(body=orelse.body.with_changes(body=core_block)),
+    )
+    body[core.start : core.end] = [branch]
+    return forward.with_changes(body=forward.body.with_changes(body=body))
+
+
+def _is_our_branch(stmt: cst.CSTNode) -> bool:
+    return (
+        isinstance(stmt, cst.If)
+        and isinstance(stmt.orelse, cst.Else)
+        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
+        and bool(m.findall(stmt.body, m.Call(func=m.Name(OUR_CALL))))
+    )
+
+
+def _unbranched(forward: cst.FunctionDef) -> cst.FunctionDef:
+    """The forward with an earlier run's branch taken back: the published core where the branch was."""
+    if not isinstance(forward.body, cst.IndentedBlock) or not any(_is_our_branch(s) for s in forward.body.body):
+        return forward
+    body: list[cst.BaseStatement] = []
+    for stmt in forward.body.body:
+        if not _is_our_branch(stmt):
+            body.append(stmt)
+            continue
+        branch = cst.ensure_type(stmt, cst.If)
+        core = list(cst.ensure_type(cst.ensure_type(branch.orelse, cst.Else).body, cst.IndentedBlock).body)
+        lines = [line for line in branch.leading_lines if not (line.comment and line.comment.value == NOTE)]
+        body += [core[0].with_changes(leading_lines=lines), *core[1:]]
+    return forward.with_changes(body=forward.body.with_changes(body=body))
+
+
+def _forward(cls: cst.ClassDef) -> cst.FunctionDef | None:
+    found = [s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "forward"]
+    return found[0] if len(found) == 1 else None
+
+
+def undo(module: cst.Module) -> cst.Module:
+    """The module without what an earlier run added: the branches, the "sdpa" entries, `_supports_sdpa`."""
+    body: list[cst.BaseStatement] = []
+    for stmt in module.body:
+        if m.matches(stmt, SDPA_ENTRY) and is_marked(stmt):
+            continue
+        if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
+            members = [
+                _unbranched(s) if isinstance(s, cst.FunctionDef) and s.name.value == "forward" else s
+                for s in stmt.body.body
+                if not (m.matches(s, SUPPORTS_SDPA) and is_marked(s))
+            ]
+            if len(members) != len(stmt.body.body) or any(a is not b for a, b in zip(members, stmt.body.body)):
+                stmt = stmt.with_changes(body=stmt.body.with_changes(body=members))  # new nodes only where changed
+        body.append(stmt)
+    return module.with_changes(body=body)
+
+
+def _marked_line(text: str, note: str, module: cst.Module) -> cst.SimpleStatementLine:
+    line = cst.ensure_type(
+        cst.parse_statement(f"{text}  {note}\n", config=module.config_for_parsing), cst.SimpleStatementLine
+    )
+    return line
+
+
+def _attention_dicts(module: cst.Module, classes: list[str]) -> list[tuple[int, str, str]]:
+    """(index in the module, dict name, eager class) for each top-level `NAME = {"eager": Class, ...}` whose eager
+    class was rewritten and which has no "sdpa" key."""
+    found = []
+    for i, stmt in enumerate(module.body):
+        if not m.matches(
+            stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Dict())])
+        ):
+            continue
+        assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
+        keys = {}
+        for element in cst.ensure_type(assign.value, cst.Dict).elements:
+            if isinstance(element, cst.DictElement) and isinstance(element.key, cst.SimpleString):
+                keys[element.key.evaluated_value] = element.value
+        eager = keys.get("eager")
+        if isinstance(eager, cst.Name) and eager.value in classes and "sdpa" not in keys:
+            found.append((i, cst.ensure_type(assign.targets[0].target, cst.Name).value, eager.value))
+    return found
+
+
+def _with_supports_sdpa(cls: cst.ClassDef, module: cst.Module) -> cst.ClassDef:
+    """`_supports_sdpa = True` after the class's other `_supports_*` flags (or its docstring), unless it sets one."""
+    members = list(cls.body.body)
+    if any(m.matches(s, SUPPORTS_SDPA) for s in members):
+        return cls
+    flags = [
+        i
+        for i, s in enumerate(members)
+        if m.matches(s, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())])]))
+        and cst.ensure_type(cst.ensure_type(s, cst.SimpleStatementLine).body[0], cst.Assign)
+        .targets[0]
+        .target.value.startswith("_supports_")  # type: ignore[attr-defined]
+    ]
+    docstring = bool(members) and m.matches(members[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))
+    at = flags[-1] + 1 if flags else int(docstring)
+    members.insert(at, _marked_line("_supports_sdpa = True", SUPPORTS_NOTE, module))
+    return cls.with_changes(body=cls.body.with_changes(body=members))
+
+
+def _other_choice(module: cst.Module, context: Context, dicts: set[str]) -> str | None:
+    """The first read of `_attn_implementation` that "sdpa" would change: anything but a lookup in one of `dicts`
+    (which get an "sdpa" entry) or a test for "flash_attention_2" (VL2 builds "mla_" + the name; a test for "eager"
+    would take another path under sdpa)."""
+    for stmt in module.body:
+        if "_attn_implementation" not in context.index.facts(stmt).attributes:
+            continue
+        tree = ast.parse(_code(stmt))
+        fine = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in dicts:
+                fine.add(id(node.slice))
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+                if isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value == "flash_attention_2":
+                    fine.add(id(node.left))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "_attn_implementation" and id(node) not in fine:
+                line = next(x for x in ast.unparse(tree).splitlines() if "_attn_implementation" in x)
+                return line.strip()
+    return None
+
+
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with each proven core in its SDPA branch (with --sdpa, the default); what was left, and why, in
+    context.attention."""
+    module = undo(module)
+    notes = context.attention = []
+    if not context.options.sdpa:
+        return module
+    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+    proven = []
+    for name, cls in classes.items():
+        forward = _forward(cls)
+        if forward is None or not {"matmul", "softmax"} <= context.index.facts(forward).attributes:
+            continue
+        core = _find_core(forward)
+        if isinstance(core, str):
+            notes.append(f"attention: {name} left as published: {core}")
+            continue
+        if not _keeps_config(cls, classes):
+            notes.append(f"attention: {name} left as published: it does not keep `self.config`")
+            continue
+        proven.append((name, forward, core))
+    entries = _attention_dicts(module, [name for name, _, _ in proven])
+    other = _other_choice(module, context, {dict_name for _, dict_name, _ in entries}) if proven else None
+    if other is not None:  # a load would default to sdpa, and that line would then do something else
+        notes += [f"attention: {name} left as published: the file reads `{other}`" for name, _, _ in proven]
+        return module
+    rewritten = [name for name, _, _ in proven]
+    for _, forward, core in proven:
+        module = replace(module, forward, _branch(forward, core, module))
+    if not rewritten:
+        return module
+    body = list(module.body)
+    for i, dict_name, eager in reversed(entries):
+        body.insert(i + 1, _marked_line(f'{dict_name}["sdpa"] = {eager}', ENTRY_NOTE, module))
+    body = [
+        _with_supports_sdpa(s, module)
+        if isinstance(s, cst.ClassDef) and any(m.matches(b.value, PRETRAINED_BASE) for b in s.bases)
+        else s
+        for s in body
+    ]
+    module = module.with_changes(body=body)
+    context.sections.add("attention")
+    notes.insert(0, f"attention: SDPA in {', '.join(rewritten)} ({SDPA_DEFAULT})")
+    return module

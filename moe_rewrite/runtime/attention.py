@@ -1,0 +1,95 @@
+"""The attention core through torch.nn.functional.scaled_dot_product_attention (codemods/attention.py): the published
+eager core computes softmax(Q·Kᵀ·scale + mask)·V with an fp32 softmax and an O(S²) score tensor; SDPA computes the
+same without it. The backend is chosen once per device, dtype and head dims; MOE_REWRITE_SDPA=0 runs the published
+core instead.
+"""
+
+import torch
+
+# _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
+from .dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
+
+# (device, dtype, q/k head dim, v head dim) -> "math", "cudnn", "flash_padded" or "sdpa"
+_moe_rewrite_attention_cache = {}
+
+
+def _moe_rewrite_sdpa_enabled():
+    """Whether the attention runs through SDPA where the config asks for "sdpa": MOE_REWRITE_SDPA=0 keeps the published
+    eager core (read once per process)."""
+    return _moe_rewrite_setting("MOE_REWRITE_SDPA", "1") != "0"
+
+
+def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
+    """softmax(query·keyᵀ·scale + mask)·value, with dropout p on the probabilities, as the published core computes it.
+    `mask` is the file's additive mask (0 where a key is seen, the dtype's lowest value where not) or None: None is the
+    causal mask for a query as long as the keys, and no mask for a single query (a decoding step)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if mask is None and q_len > 1 and q_len != kv_len:  # SDPA's is_causal is top-left aligned: wrong with a cache
+        raise ValueError(f"moe-rewrite: attention over {kv_len} keys for {q_len} queries needs a mask")
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
+        # SDPA takes the mask in the query's dtype; .to() alone would turn float32's lowest value into -inf in
+        # bfloat16, and a fully masked row (left padding) into NaN, where the published core averages it.
+        mask = mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
+    causal = mask is None and q_len > 1
+    backend = _moe_rewrite_attention_backend(query.device, query.dtype, query.shape[-1], value.shape[-1])
+    if backend == "sdpa" or (backend == "flash_padded" and mask is not None):  # flash takes no mask
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+        )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend == "math":
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+            )
+    if backend == "cudnn":  # torch's own order would pick the memory-efficient kernel, no faster than eager here
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        with sdpa_kernel(order + [SDPBackend.MATH], set_priority=True):
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+            )
+    # flash needs one head dim for q, k and v: v padded with zeros to q/k's, the output's padding sliced off
+    v_dim = value.shape[-1]
+    padded = torch.nn.functional.pad(value, (0, query.shape[-1] - v_dim))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, padded, dropout_p=dropout_p, is_causal=causal, scale=scale
+        )
+    return out[..., :v_dim]
+
+
+def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
+    """The SDPA backend for these head dims on `device` in `dtype`. Off CUDA "math", the published arithmetic: torch's
+    CPU flash kernel (equal head dims) loses log(keys) in the logsumexp of a fully masked row (left padding), where
+    the scores are the lowest float, so its backward scales that row's gradient by the number of keys. On CUDA
+    "cudnn" where cuDNN's attention runs the dims (q/k 192 with v 128 as MLA has them: the fastest measured,
+    bench/NOTES.md), else "flash_padded" where the dims differ and fit flash, else "sdpa" (torch's own choice:
+    float32, equal dims). Decided on first use and kept."""
+    if torch.compiler.is_compiling():  # no probe inside a traced graph; torch.compile picks its own kernel
+        return "sdpa"
+    key = (device, dtype, qk_dim, v_dim)
+    if key not in _moe_rewrite_attention_cache:
+        backend = "math" if device.type != "cuda" else "sdpa"
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            if _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
+                backend = "cudnn"
+            elif qk_dim != v_dim and qk_dim <= 256 and qk_dim % 8 == 0:
+                backend = "flash_padded"
+        _moe_rewrite_attention_cache[key] = backend
+    return _moe_rewrite_attention_cache[key]
+
+
+def _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
+    """Whether cuDNN's SDPA kernel runs a small causal forward and backward at these dims (torch >= 2.5, a GPU and a
+    cuDNN that has it); asked once per key of _moe_rewrite_attention_backend."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q = torch.zeros(1, 1, 64, qk_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.zeros(1, 1, 64, v_dim, device=device, dtype=dtype)
+        with torch.enable_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True).sum().backward()
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    return True
