@@ -233,8 +233,13 @@ def test_the_published_core_goes_into_the_else_of_an_sdpa_branch():
     indented = "".join(f"    {line}" if line.strip() else line for line in core.splitlines(keepends=True))
     # the blank line above the core stays above the branch; inside the else, the core as published, a level deeper
     assert "\n\n" + BRANCH.format(scale="self.scale") + indented in result.text
-    assert 'ATTENTION_CLASSES["sdpa"] = SelfAttention  # moe-rewrite:' in result.text
-    assert "    _supports_flash_attn_2 = True\n    _supports_sdpa = True  # moe-rewrite:" in result.text
+    # the markers on the line above: a formatter wrapping a long line would move a trailing one into its parentheses
+    assert (
+        "# moe-rewrite: the eager class runs SDPA when the config says sdpa\n"
+        'ATTENTION_CLASSES["sdpa"] = SelfAttention\n' in result.text
+    )
+    assert "    _supports_flash_attn_2 = True\n    # moe-rewrite: loads default to SDPA" in result.text
+    assert "\n    _supports_sdpa = True\n" in result.text
     assert "attention" in result.sections and "def _moe_rewrite_attention(" in result.text
     assert result.attention == (DEFAULT_LINE,)
     again = rewrite_source(result.text)

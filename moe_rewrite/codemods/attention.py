@@ -415,10 +415,11 @@ def undo(module: cst.Module) -> cst.Module:
 
 
 def _marked_line(text: str, note: str, module: cst.Module) -> cst.SimpleStatementLine:
-    line = cst.ensure_type(
-        cst.parse_statement(f"{text}  {note}\n", config=module.config_for_parsing), cst.SimpleStatementLine
-    )
-    return line
+    """`text` with the marker comment `note` on the line above it: a formatter that wraps a long line moves a trailing
+    comment into the parentheses, where a later run would not find it (then the rewrite and the formatter never
+    settle)."""
+    line = cst.ensure_type(cst.parse_statement(f"{text}\n", config=module.config_for_parsing), cst.SimpleStatementLine)
+    return line.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(note))])
 
 
 def _attention_dicts(module: cst.Module, classes: list[str]) -> list[tuple[int, str, str]]:

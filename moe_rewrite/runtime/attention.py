@@ -64,7 +64,7 @@ def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
     CPU flash kernel (equal head dims) loses log(keys) in the logsumexp of a fully masked row (left padding), where
     the scores are the lowest float, so its backward scales that row's gradient by the number of keys. On CUDA
     "cudnn" where cuDNN's attention runs the dims (q/k 192 with v 128 as MLA has them: the fastest measured,
-    bench/NOTES.md), else "flash_padded" where the dims differ and fit flash, else "sdpa" (torch's own choice:
+    bench/e2e/PLAN.md), else "flash_padded" where the dims differ and fit flash, else "sdpa" (torch's own choice:
     float32, equal dims). Decided on first use and kept."""
     if torch.compiler.is_compiling():  # no probe inside a traced graph; torch.compile picks its own kernel
         return "sdpa"
