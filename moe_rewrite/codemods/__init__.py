@@ -125,6 +125,22 @@ class Codemod(Protocol):
     def transform(self, module: cst.Module, context: Context) -> cst.Module: ...
 
 
+def one_line(node: cst.CSTNode) -> str:
+    """A statement or expression on one line (its first line, then ` ...`), for an error message."""
+    text = cst.Module(body=[]).code_for_node(node).strip()
+    return " ".join(text.split("\n")[0].split()) + (" ..." if "\n" in text else "")
+
+
+def top_classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    """The file's top-level classes by name."""
+    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+def class_methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """A class's own methods by name (not its bases')."""
+    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
+
+
 def body_lines(fn: cst.FunctionDef, where: str) -> list[cst.BaseStatement]:
     """The statements of a function a codemod edits; one written on its `def` line (`def f(self): return x`) is
     refused by name, as the edits go on lines of their own."""

@@ -39,7 +39,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field
+from moe_rewrite.codemods import Context, Field, class_methods, one_line, top_classes
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
@@ -56,23 +56,9 @@ SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.
 EXPECTED_FORWARD = "self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"
 
 
-def _code(node: cst.CSTNode) -> str:
-    """A statement or expression on one line (its first line, then ` ...`), for an error message."""
-    text = cst.Module(body=[]).code_for_node(node).strip()
-    return " ".join(text.split("\n")[0].split()) + (" ..." if "\n" in text else "")
-
-
 def _ast(node: cst.CSTNode) -> ast.AST:
     """An expression as Python's AST (equal up to formatting, comments and redundant parentheses)."""
     return ast.parse(cst.Module(body=[]).code_for_node(node).strip(), mode="eval").body
-
-
-def _classes(module: cst.Module) -> dict[str, cst.ClassDef]:
-    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
-
-
-def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
-    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
 
 
 def _chain(name: str, classes: dict[str, cst.ClassDef], where: str) -> list[cst.ClassDef]:
@@ -88,14 +74,14 @@ def _chain(name: str, classes: dict[str, cst.ClassDef], where: str) -> list[cst.
         base = bases[0].value if isinstance(bases[0], cst.Name) else None
         if base not in classes or classes[base] in chain:
             raise RewriteError(
-                f"{where}: {cls.name.value}'s base `{_code(bases[0])}` is not nn.Module or a class of this file"
+                f"{where}: {cls.name.value}'s base `{one_line(bases[0])}` is not nn.Module or a class of this file"
             )
         chain.append(classes[base])
 
 
 def _resolve(chain: list[cst.ClassDef], method: str) -> tuple[str, cst.FunctionDef] | None:
     for cls in chain:
-        found = _methods(cls).get(method)
+        found = class_methods(cls).get(method)
         if found is not None:
             return cls.name.value, found
     return None
@@ -130,7 +116,7 @@ def _in_ep_branch(init: cst.FunctionDef, assign: cst.CSTNode) -> bool:
     for branch in m.findall(init, m.If()):
         branch = cst.ensure_type(branch, cst.If)
         tests = [cst.ensure_type(c, cst.Comparison) for c in m.findall(branch.test, greater)]
-        mentions_ep = any("ep_size" in _code(c.left) for c in tests)
+        mentions_ep = any("ep_size" in one_line(c.left) for c in tests)
         if mentions_ep and any(node is assign for node in m.findall(branch.body, m.Assign())):
             return True
     return False
@@ -140,7 +126,7 @@ def _expert_class(moe: str, classes: dict[str, cst.ClassDef]) -> str:
     # the nearest __init__ that assigns self.experts; one that does not must hand over to its base's
     found = None
     for cls in _chain_or_any(moe, classes):
-        init = _methods(cls).get("__init__")
+        init = class_methods(cls).get("__init__")
         if init is None:
             continue
         if m.findall(init, SELF_EXPERTS):
@@ -169,26 +155,26 @@ def _expert_class(moe: str, classes: dict[str, cst.ClassDef]) -> str:
         value = assign.value
         if not m.matches(value, m.Call(func=NN_MODULE_LIST)):
             raise RewriteError(
-                f"{where}: `self.experts = {_code(value)}` is not an nn.ModuleList, which moe-rewrite's grouped "
+                f"{where}: `self.experts = {one_line(value)}` is not an nn.ModuleList, which moe-rewrite's grouped "
                 "experts need"
             )
         call = cst.ensure_type(value, cst.Call)
         comp = call.args[0].value if len(call.args) == 1 and not call.args[0].keyword else None
         if not isinstance(comp, (cst.ListComp, cst.GeneratorExp)):
             raise RewriteError(
-                f"{where}: `self.experts = {_code(value)}` should build its experts in one comprehension "
+                f"{where}: `self.experts = {one_line(value)}` should build its experts in one comprehension "
                 "(`nn.ModuleList([X(config, ...) for i in range(...)])`)"
             )
         expert = comp.elt
         if isinstance(expert, cst.IfExp):
             if not m.matches(expert.orelse, m.Name("None")) or not _in_ep_branch(init, assign):
                 raise RewriteError(
-                    f"{where}: `{_code(expert)}`: a conditional expert is accepted only as `X(...) if ... else None` "
-                    "under `if ... ep_size > 1:`"
+                    f"{where}: `{one_line(expert)}`: a conditional expert is accepted only as "
+                    "`X(...) if ... else None` under `if ... ep_size > 1:`"
                 )
             expert = expert.body
         if not m.matches(expert, m.Call(func=m.Name())):
-            raise RewriteError(f"{where}: the expert `{_code(expert)}` is not a call of an expert class")
+            raise RewriteError(f"{where}: the expert `{one_line(expert)}` is not a call of an expert class")
         name = cst.ensure_type(cst.ensure_type(expert, cst.Call).func, cst.Name).value
         if name not in classes:
             raise RewriteError(f"{where}: the expert class {name} is not defined in this file")
@@ -225,7 +211,7 @@ def _check_class_bodies(chain: list[cst.ClassDef]) -> None:
             if i == 0 and m.matches(stmt, docstring) or m.matches(stmt, m.SimpleStatementLine(body=[m.Pass()])):
                 continue
             raise RewriteError(
-                f"{cls.name.value}: `{_code(stmt)}` in the expert class; moe-rewrite's grouped experts compute "
+                f"{cls.name.value}: `{one_line(stmt)}` in the expert class; moe-rewrite's grouped experts compute "
                 "only the published expert MLP (__init__ and forward)"
             )
 
@@ -251,7 +237,7 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
         if m.matches(target, m.Attribute(value=m.Name("self"), attr=m.Name())):
             attr = cst.ensure_type(target, cst.Attribute).attr.value
             if attr in found:
-                raise RewriteError(f"{where}: `{_code(stmt)}` assigns self.{attr} a second time")
+                raise RewriteError(f"{where}: `{one_line(stmt)}` assigns self.{attr} a second time")
             value = cst.ensure_type(stmt, cst.Assign).value
             if attr in (*PROJECTIONS, "act_fn"):
                 found[attr] = value
@@ -259,7 +245,7 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
                 _check_plain(stmt, known, where)
             continue
         raise RewriteError(
-            f"{where}: `{_code(stmt)}` is not in the published expert MLP; moe-rewrite's grouped experts read only "
+            f"{where}: `{one_line(stmt)}` is not in the published expert MLP; moe-rewrite's grouped experts read only "
             "the three bias-free projections and act_fn"
         )
     missing = [name for name in (*PROJECTIONS, "act_fn") if name not in found]
@@ -278,7 +264,7 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
             or not m.matches(bias[0], m.Arg(keyword=m.Name("bias"), value=m.Name("False")))
         ):
             raise RewriteError(
-                f"{where}: `self.{name} = {_code(call)}` is not `nn.Linear(in, out, bias=False)`; moe-rewrite's "
+                f"{where}: `self.{name} = {one_line(call)}` is not `nn.Linear(in, out, bias=False)`; moe-rewrite's "
                 "grouped experts have no bias"
             )
         shapes[name] = tuple(ast.dump(_ast(a.value)) for a in positional)
@@ -295,7 +281,7 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
     )
     if not m.matches(act, expected) or config in _assigned(init):
         raise RewriteError(
-            f"{where}: `self.act_fn = {_code(act)}` is not `ACT2FN[{config}.hidden_act]` with {config} the "
+            f"{where}: `self.act_fn = {one_line(act)}` is not `ACT2FN[{config}.hidden_act]` with {config} the "
             "parameter as passed"
         )
 
@@ -315,7 +301,7 @@ def _check_plain(stmt: cst.BaseSmallStatement, known: set[str], where: str) -> N
     free = names - attrs - known - {"None", "True", "False"}
     if m.findall(value, m.Call() | m.Lambda()) or free:
         raise RewriteError(
-            f"{where}: `{_code(stmt)}` may add a submodule, parameter or buffer that moe-rewrite's grouped experts "
+            f"{where}: `{one_line(stmt)}` may add a submodule, parameter or buffer that moe-rewrite's grouped experts "
             "would not compute"
         )
 
@@ -359,7 +345,7 @@ def _check_forward(owner: str, forward: cst.FunctionDef) -> None:
         break
     else:
         stmt = stmts[-1] if stmts else None
-    shown = _code(stmt) if stmt is not None else "(empty)"
+    shown = one_line(stmt) if stmt is not None else "(empty)"
     raise RewriteError(
         f"{where}: `{shown}` differs from the expert MLP moe-rewrite's grouped experts compute, "
         f"`return {EXPECTED_FORWARD.format(x=x)}`"
@@ -392,7 +378,7 @@ def check_expert_class(name: str, classes: dict[str, cst.ClassDef]) -> None:
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
-    classes = _classes(module)
+    classes = top_classes(module)
     moe = context.moe_class().name
     # the MoE class and its in-file subclasses (one may build its experts from another class)
     layers = [name for name in classes if classes[moe] in _chain_or_any(name, classes)]

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, MoeClassInfo
+from moe_rewrite.codemods import Context, Field, MoeClassInfo, class_methods, one_line, top_classes
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.codemods.moe_infer_body import check_moe_infer
 from moe_rewrite.errors import NotMoeFileError, RewriteError
@@ -65,10 +65,6 @@ EP_SIZE_IS_1 = m.Comparison(
 )
 
 
-def _methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
-    return {s.name.value: s for s in cls.body.body if isinstance(s, cst.FunctionDef)}
-
-
 def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
     """ESFT form: the forward's `if self.ep_size == 1:` branch holding the loop over the experts (or moe_train)."""
     for stmt in forward.body.body:
@@ -83,13 +79,10 @@ def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
 def find_moe_class(module: cst.Module) -> cst.ClassDef:
     """The one top-level class defining both forward() and moe_infer() (or, ESFT form, a forward whose
     `if self.ep_size == 1:` branch loops over the experts)."""
-    found = [s for s in module.body if isinstance(s, cst.ClassDef) and {"forward", "moe_infer"} <= _methods(s).keys()]
+    classes = [s for s in module.body if isinstance(s, cst.ClassDef)]  # all of them: a name defined twice is refused
+    found = [c for c in classes if {"forward", "moe_infer"} <= class_methods(c).keys()]
     if not found:
-        found = [
-            s
-            for s in module.body
-            if isinstance(s, cst.ClassDef) and "forward" in _methods(s) and _esft_branch(_methods(s)["forward"])
-        ]
+        found = [c for c in classes if "forward" in class_methods(c) and _esft_branch(class_methods(c)["forward"])]
     if not found:
         raise NotMoeFileError("not a DeepSeek-family MoE file: no class defines both forward() and moe_infer()")
     if len(found) > 1:
@@ -100,7 +93,7 @@ def find_moe_class(module: cst.Module) -> cst.ClassDef:
 
 def gate_class_name(moe: cst.ClassDef) -> str | None:
     """X in `self.gate = X(...)` inside the MoE's __init__."""
-    init = _methods(moe).get("__init__")
+    init = class_methods(moe).get("__init__")
     if init is None:
         return None
     pattern = m.Assign(
@@ -255,7 +248,7 @@ def _v3_training_else(
     for stmt in eval_stmts:
         if m.findall(stmt, SELF_TRAINING) or m.findall(stmt, NO_GRAD):
             raise RewriteError(
-                f"{where}: `{_code(stmt)}` in the eval branch depends on training mode or gradients; moe-rewrite "
+                f"{where}: `{one_line(stmt)}` in the eval branch depends on training mode or gradients; moe-rewrite "
                 "cannot mirror it in training"
             )
     extra: list[cst.BaseStatement] = []
@@ -331,7 +324,7 @@ def _refuse_helpers_reading_training(
     or a function of the file, called there, or what those call in turn, must not read `.training` (the branch itself
     is checked in _v3_training_else). Submodules of classes from elsewhere (torch's) are not looked into."""
     functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
-    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+    classes = top_classes(module)
 
     def resolve(func: cst.BaseExpression, owner: cst.ClassDef | None) -> tuple[cst.FunctionDef, cst.ClassDef | None]:
         if isinstance(func, cst.Name):
@@ -341,10 +334,10 @@ def _refuse_helpers_reading_training(
             return None, None  # type: ignore[return-value]
         methods: dict[str, cst.FunctionDef] = {}
         for cls in reversed(_in_file_lineage(owner, module)):  # a class's own methods win over its bases'
-            methods |= _methods(cls)
+            methods |= class_methods(cls)
         if name in methods:
             return methods[name], owner
-        for init in (_methods(c).get("__init__") for c in _in_file_lineage(owner, module)):
+        for init in (class_methods(c).get("__init__") for c in _in_file_lineage(owner, module)):
             assign = m.Assign(
                 targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))],
                 value=m.Call(func=m.Name()),
@@ -370,7 +363,7 @@ def _refuse_helpers_reading_training(
                 if m.findall(target, m.Attribute(attr=m.Name("training"))):
                     calls = " -> ".join(f"{c}()" for c in (*chain, name))
                     raise RewriteError(
-                        f"{where}: `{_code(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
+                        f"{where}: `{one_line(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
                         "moe-rewrite cannot mirror it in training"
                     )
                 todo.append((target, target_owner, (*chain, name)))
@@ -378,7 +371,7 @@ def _refuse_helpers_reading_training(
 
 def _in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
     """The class and its bases defined in the file, nearest first."""
-    classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+    classes = top_classes(module)
     lineage, todo = [], [cls]
     while todo:
         current = todo.pop(0)
@@ -397,7 +390,7 @@ def _refuse_overriding_subclasses(module: cst.Module, moe: cst.ClassDef) -> None
     for cls in module.body:
         if not isinstance(cls, cst.ClassDef) or cls is moe or moe not in _in_file_lineage(cls, module):
             continue
-        overrides = sorted({"forward", "moe_infer", "moe_train", "moe_rewrite_infer"} & _methods(cls).keys())
+        overrides = sorted({"forward", "moe_infer", "moe_train", "moe_rewrite_infer"} & class_methods(cls).keys())
         if overrides:
             raise RewriteError(
                 f"{cls.name.value} derives from {moe.name.value} and overrides {', '.join(overrides)}; moe-rewrite "
@@ -411,11 +404,6 @@ def _same_code(node: cst.CSTNode, expected: str) -> bool:
         return ast.dump(ast.parse(cst.Module(body=[node]).code)) == ast.dump(ast.parse(expected))  # type: ignore[list-item]
     except SyntaxError:
         return False
-
-
-def _code(node: cst.CSTNode) -> str:
-    text = cst.Module(body=[]).code_for_node(node).strip()
-    return " ".join(text.split("\n")[0].split()) + (" ..." if "\n" in text else "")
 
 
 def _names_in(node: cst.CSTNode) -> set[str]:
@@ -496,7 +484,7 @@ def _rewrite_v2_training_body(
     found = _experts_loop_names(cst.ensure_type(stmts[loop], cst.For))
     if found is None:
         raise RewriteError(
-            f"{where}: the experts loop `{_code(stmts[loop])}` is not `for i, expert in enumerate(self.experts): "
+            f"{where}: the experts loop `{one_line(stmts[loop])}` is not `for i, expert in enumerate(self.experts): "
             "y[idx == i] = expert(x[idx == i])`"
         )
     y, flat, x = found
@@ -533,7 +521,7 @@ def _rewrite_v2_training_body(
             )
     r, b, total = known["repeat"][0], known["buffer"][0], known["sum"][0]
     if not r < b:
-        raise RewriteError(f"{where}: `{repeat}` should come before `{_code(stmts[b])}`")
+        raise RewriteError(f"{where}: `{repeat}` should come before `{one_line(stmts[b])}`")
     _check_flat_ids(forward, branch, flat, ids, where)
     out = _assign_target(stmts[total])
     kept_before, kept_after = [], []
@@ -545,14 +533,14 @@ def _rewrite_v2_training_body(
             seen = _names_in(stmt)
             if seen & {y, flat} or (i > r and tokens in seen) or ids in _assigned_in(stmt):
                 raise RewriteError(
-                    f"{where}: `{_code(stmt)}` sits between the replaced per-expert statements and uses what they "
+                    f"{where}: `{one_line(stmt)}` sits between the replaced per-expert statements and uses what they "
                     "compute; moe-rewrite cannot keep it exactly"
                 )
             kept_before.append(stmt)
         else:
             if _uses_beyond_dtype(stmt, tokens) or (buffer_live and _reads(stmt, y)):
                 raise RewriteError(
-                    f"{where}: `{_code(stmt)}` reads the per-expert copies of the tokens; "
+                    f"{where}: `{one_line(stmt)}` reads the per-expert copies of the tokens; "
                     "moe-rewrite cannot keep it exactly"
                 )
             buffer_live = buffer_live and y not in _assigned_in(stmt)
@@ -560,7 +548,7 @@ def _rewrite_v2_training_body(
     for stmt in _statements_after(forward, branch)[skip_after:]:
         if _uses_beyond_dtype(stmt, tokens):
             raise RewriteError(
-                f"{where}: `{_code(stmt)}` reads `{tokens}`, which training repeats per expert; "
+                f"{where}: `{one_line(stmt)}` reads `{tokens}`, which training repeats per expert; "
                 "moe-rewrite cannot keep it exactly"
             )
     target = cst.ensure_type(cst.ensure_type(stmts[total], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
@@ -617,10 +605,10 @@ def rewrite_forward(
     is where the eval branch's helpers are looked up."""
     name = moe.name.value
     where = f"{name}.forward"
-    forward = drop_training_guards(_methods(moe)["forward"], where)
-    if "moe_infer" not in _methods(moe):
+    forward = drop_training_guards(class_methods(moe)["forward"], where)
+    if "moe_infer" not in class_methods(moe):
         return _rewrite_esft(forward, options, where), "esft"
-    moe_infer = _methods(moe)["moe_infer"]
+    moe_infer = class_methods(moe)["moe_infer"]
     params = [p.name.value for p in moe_infer.params.params][1:]  # proved below: (self, tokens, ids, weights)
 
     def bind(call: cst.Call) -> list[cst.Arg]:
@@ -734,7 +722,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = find_moe_class(module)
     _refuse_overriding_subclasses(module, moe)
     forward, form = rewrite_forward(moe, context.options, module)
-    old_forward = _methods(moe)["forward"]
+    old_forward = class_methods(moe)["forward"]
     new_moe = moe.with_changes(
         body=moe.body.with_changes(body=[forward if s is old_forward else s for s in moe.body.body])
     )
