@@ -1,0 +1,30 @@
+"""The table of bench/e2e/native.sh's rows: per row set (mode, batch x seq), each implementation's step time,
+tokens/s, peak memory, first loss, and its speed and first-loss difference against the native row.
+
+    python bench/e2e/native_report.py bench/out/native_*.json
+"""
+
+import json
+import sys
+
+
+def main(paths: list[str]) -> None:
+    rows = [json.load(open(p)) for p in paths]
+    sets: dict[tuple, list[dict]] = {}
+    for row in rows:
+        sets.setdefault((row["mode"], row["seq"]), []).append(row)
+    for (mode, seq), group in sorted(sets.items()):
+        native = next((r for r in group if r["impl"] == "native"), None)
+        print(f"\n{mode}, {seq} tokens")
+        print(f"{'impl':22} {'s/step':>7} {'tok/s':>7} {'peak GB':>8} {'loss[0]':>9} {'vs native':>9} {'dloss[0]':>9}")
+        for r in sorted(group, key=lambda r: r["step_s"]):
+            speed = f"{native['step_s'] / r['step_s']:.2f}x" if native else "-"
+            dloss = f"{abs(r['losses'][0] - native['losses'][0]):.1e}" if native else "-"
+            print(
+                f"{r['impl']:22} {r['step_s']:7.3f} {r['tokens_per_s']:7d} {r['peak_gb'] or 0:8.1f} "
+                f"{r['losses'][0]:9.4f} {speed:>9} {dloss:>9}"
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
