@@ -139,6 +139,22 @@ def test_the_backend_is_chosen_once_per_device_dtype_and_head_dims(monkeypatch):
     assert len(probes) == 3
 
 
+def test_the_probe_saves_nothing_for_an_enclosing_gradient_checkpoint(monkeypatch):
+    """The first attention call probes cuDNN with a small forward and backward, inside the first layer's forward,
+    often under gradient checkpointing: tensors its graph saves must not reach the checkpoint's hooks, or the
+    recomputed forward (which no longer probes) saves fewer and backward fails (seen on the H200, change 30). Here
+    the probe's SDPA runs on the CPU (no backend pinned) under counting hooks like a checkpoint's."""
+    import contextlib
+
+    import torch.nn.attention
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda *a, **k: contextlib.nullcontext())
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        assert attention._moe_rewrite_cudnn_attention_runs(torch.device("cpu"), torch.float32, 24, 16)
+    assert packed == []
+
+
 def test_moe_rewrite_sdpa_0_keeps_the_published_core(monkeypatch):
     assert attention._moe_rewrite_sdpa_enabled()
     runtime_env(monkeypatch, "MOE_REWRITE_SDPA", "0")

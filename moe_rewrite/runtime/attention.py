@@ -82,13 +82,17 @@ def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
 
 def _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
     """Whether cuDNN's SDPA kernel runs a small causal forward and backward at these dims (torch >= 2.5, a GPU and a
-    cuDNN that has it); asked once per key of _moe_rewrite_attention_backend."""
+    cuDNN that has it); asked once per key of _moe_rewrite_attention_backend. The first call comes inside the first
+    layer's forward, often under gradient checkpointing: the probe's own graph must not reach the checkpoint's
+    saved-tensor hooks (the recomputed forward, which no longer probes, would save fewer tensors and fail), so it runs
+    under hooks of its own, which take precedence."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q = torch.zeros(1, 1, 64, qk_dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.zeros(1, 1, 64, v_dim, device=device, dtype=dtype)
-        with torch.enable_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        own_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with own_hooks, torch.enable_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True).sum().backward()
     except (ImportError, AttributeError, RuntimeError):
         return False
