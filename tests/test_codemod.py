@@ -67,6 +67,7 @@ OPTION_CASES = {
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
     "no-compat": ("--no-compat",),
     "no-sdpa": ("--no-sdpa",),
+    "no-fused-loss": ("--no-fused-loss",),
     "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
@@ -83,6 +84,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
         "--no-gradient-checkpointing": "gradient_checkpointing",
         "--no-compat": "compat",
         "--no-sdpa": "sdpa",
+        "--no-fused-loss": "fused_loss",
     }
     rest = list(args)
     while rest:
@@ -114,6 +116,22 @@ def test_fixture_under_options(fixture: str, case: str):
         PAIRS / "fixtures" / f"{fixture}-{case}.diff",
         what_changed(text, result.text, f"{fixture}/modeling_deepseek.py"),
     )
+
+
+def test_no_two_sections_define_one_name():
+    """The sections share one namespace in the rewritten file: a name two of them define would silently be the later
+    one's (the placeholder classes MoE and Model are not copied)."""
+    from moe_rewrite.render import PLACEHOLDERS, RUNTIME_DIR, SECTIONS
+
+    owners: dict[str, list[str]] = {}
+    for section in SECTIONS:
+        for stmt in ast.parse((RUNTIME_DIR / f"{section}.py").read_text()).body:
+            names = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) else []
+            if isinstance(stmt, ast.Assign):
+                names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+            for name in names:
+                owners.setdefault(name, []).append(section)
+    assert {n: s for n, s in owners.items() if len(s) > 1 and n not in PLACEHOLDERS} == {}
 
 
 def test_section_hashes():
