@@ -90,6 +90,19 @@ def test_gradient_accumulation_scales_through_the_loss_gradient(monkeypatch):
     assert rel(got, weight.grad) <= TOL
 
 
+def test_under_autocast_the_gemms_run_in_its_dtype_and_the_leaves_get_float32_gradients(monkeypatch):
+    """As lm_head under torch.autocast: bf16 logits, upcast; several chunks (the weight gradient accumulated in
+    float32, or bf16 products added where addmm has no out_dtype, as on the CPU)."""
+    monkeypatch.setattr(lm_loss, "MOE_REWRITE_LOSS_CHUNK_BYTES", 4 * V * 2)
+    hidden, weight, labels = leaves(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = published(hidden, weight, labels)
+        loss, _ = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    assert loss.dtype == torch.float32 and abs(loss.item() - want.item()) <= 1e-3 * abs(want.item())
+    for got, expected in zip(grads_of(loss, hidden, weight), grads_of(want, hidden, weight)):
+        assert got.dtype == torch.float32 and rel(got, expected) <= 1e-2
+
+
 def test_labels_of_another_shape_are_refused():
     hidden, weight, labels = leaves(False)
     with pytest.raises(ValueError, match="labels of shape"):
