@@ -19,8 +19,10 @@ from moe_rewrite.runtime import (  # noqa: E402
     dispatch,
     expert_output,
     grouped_linear,
+    lm_loss,
     moe_train,
     route,
+    triton_cross_entropy,
     triton_gather,
     triton_gemm,
     triton_route,
@@ -585,3 +587,23 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
             assert torch.equal(a, b), name
         else:  # the GPU's two tiles may accumulate in another order
             assert a.isfinite().all() and (a.float() - b.float()).norm() < 1e-2 * b.float().norm(), name
+
+
+def test_cross_entropy_rows_equal_the_torch_rows(kernels):
+    """The fused loss's row kernel against its torch arithmetic (lm_loss.py), float32: the loss rows, and the gradient
+    written over the logits; ignored rows (-100) give 0 and a zero gradient; a row's target in its last column block.
+    On the CPU 16-column blocks over 40 columns (a ragged last block); on a GPU Moonlight's vocabulary."""
+    device, _ = kernels
+    kernels = triton_cross_entropy._moe_rewrite_cross_entropy_kernels()
+    rows, vocab = (6, 40) if device == "cpu" else (64, 163840)
+    logits = torch.randn(rows, vocab, device=device) * 4
+    target = torch.randint(0, vocab, (rows,), device=device)
+    target[1], target[4], target[2] = -100, -100, vocab - 1
+    scale = torch.tensor([1 / 4], device=device)
+    want = logits.clone()
+    want_rows = lm_loss._moe_rewrite_cross_entropy_torch(want, target, scale)
+    got_rows = triton_cross_entropy._moe_rewrite_cross_entropy_rows(kernels, logits, target, scale)
+    assert torch.allclose(got_rows, want_rows, rtol=1e-5, atol=1e-5)
+    assert got_rows[1] == 0 and got_rows[4] == 0
+    assert torch.allclose(logits, want, rtol=1e-5, atol=1e-7)
+    assert not logits[1].any() and not logits[4].any()

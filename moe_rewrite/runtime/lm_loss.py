@@ -1,0 +1,144 @@
+"""The causal-LM loss without float32 logits over the whole vocabulary (codemods/lm_loss.py). The published forward
+computes lm_head(hidden) for every token, upcasts it to float32, copies the shifted logits and takes the mean
+cross-entropy: at vocabulary 163840 and 8192 tokens that holds about 21 GB more at its peak. Here one autograd Function
+walks the tokens in chunks, and per chunk computes the logits (lm_head's GEMM, in its dtype), the float32 logsumexp and
+loss, and the gradient (softmax - onehot) / n rounded once to the logits' dtype, as the published backward rounds it;
+then the hidden states' and the weight's gradients of that chunk, all in the forward. The backward scales them by the
+loss's gradient. Training with labels only; MOE_REWRITE_FUSED_LOSS=0, or config.moe_rewrite_fused_loss = False, runs
+the published statements (which return the logits).
+"""
+
+import torch
+
+# _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
+from .dispatch import _moe_rewrite_options, _moe_rewrite_setting, _moe_rewrite_triton  # noqa: F401
+from .triton_cross_entropy import _moe_rewrite_cross_entropy_kernels, _moe_rewrite_cross_entropy_rows
+
+# The logits of one chunk take at most this many bytes: 2048 tokens at vocabulary 163840 in bf16 (0.67 GB)
+MOE_REWRITE_LOSS_CHUNK_BYTES = 2048 * 163840 * 2
+_moe_rewrite_lm_loss_cache = {}  # "kernels" -> the Triton kernel or None; "out_dtype" -> whether addmm takes out_dtype
+
+
+def _moe_rewrite_fused_loss_applies(model):
+    """Whether the fused loss computes what the published statements would: lm_head a plain nn.Linear without bias or
+    hooks whose weight is the whole (vocab, hidden) tensor. FSDP2 (another class, a DTensor weight), PEFT on lm_head
+    (a wrapper), DeepSpeed ZeRO-3 (an empty shard, hooks) and any hook fall back to the published statements, as do
+    MOE_REWRITE_FUSED_LOSS=0 and config.moe_rewrite_fused_loss = False (for callers that read the logits in training:
+    TRL's SFTTrainer computes its entropy and token accuracy from them)."""
+    if _moe_rewrite_setting("MOE_REWRITE_FUSED_LOSS", "1") == "0":
+        return False
+    if not getattr(model.config, "moe_rewrite_fused_loss", True):
+        return False
+    head = model.lm_head
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return False
+    if head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks:
+        return False
+    weight = head.weight
+    return (
+        type(weight) in (torch.nn.Parameter, torch.Tensor)
+        and tuple(weight.shape) == (head.out_features, head.in_features)
+        and head.out_features == model.config.vocab_size
+    )
+
+
+def _moe_rewrite_lm_loss(hidden, weight, labels):
+    """(loss, None): the published mean cross-entropy of lm_head(hidden) (float32 logits) at position t against
+    labels at t + 1, -100 ignored (NaN when every label is), without the logits (None, as Liger's fused loss returns
+    them). Under torch.autocast the GEMMs run in its dtype, as lm_head would."""
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"moe-rewrite: labels of shape {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}")
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    # the logits at t score the label at t + 1: each sequence's labels moved one to the left, -100 after its last
+    ignored = labels.new_full((*labels.shape[:-1], 1), -100)
+    target = torch.cat([labels[..., 1:], ignored], dim=-1).reshape(-1).to(hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss = _MoeRewriteLinearCrossEntropy.apply(hidden, weight, target)
+    return loss, None
+
+
+class _MoeRewriteLinearCrossEntropy(torch.autograd.Function):
+    """mean over target != -100 of logsumexp(x·Wᵀ) - (x·Wᵀ)[target], float32, with x the hidden states (..., H) as
+    rows and W (V, H); the gradients are computed in the forward, chunk by chunk, and kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target):
+        x = hidden.reshape(-1, hidden.shape[-1])
+        rows, vocab = x.shape[0], weight.shape[0]
+        n = (target != -100).sum().to(torch.float32)  # kept on the device: no synchronisation
+        scale = (1.0 / n).reshape(1)
+        chunk = max(1, MOE_REWRITE_LOSS_CHUNK_BYTES // (vocab * x.element_size()))
+        kernels = _moe_rewrite_cross_entropy_kernel(x.device, x.dtype)
+        total = torch.zeros((), device=x.device, dtype=torch.float32)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        for start in range(0, rows, chunk):
+            rows_x = x[start : start + chunk]
+            logits = rows_x @ weight.t()
+            if kernels is not None:
+                row_loss = _moe_rewrite_cross_entropy_rows(kernels, logits, target[start : start + chunk], scale)
+            else:
+                row_loss = _moe_rewrite_cross_entropy_torch(logits, target[start : start + chunk], scale)
+            total += row_loss.sum()
+            grad = logits  # overwritten with the gradient of the chunk's logits
+            if grad_x is not None:
+                torch.mm(grad, weight, out=grad_x[start : start + chunk])
+            if ctx.needs_input_grad[1]:  # a frozen lm_head (LoRA) needs no weight gradient
+                grad_w = _moe_rewrite_loss_accumulate(grad_w, grad.t(), rows_x, single=chunk >= rows)
+        ctx.save_for_backward(
+            grad_x.view(hidden.shape) if grad_x is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+        )
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return (
+            grad_x * grad_loss if grad_x is not None else None,
+            grad_w * grad_loss if grad_w is not None else None,
+            None,
+        )
+
+
+def _moe_rewrite_cross_entropy_torch(logits, target, scale):
+    """_moe_rewrite_cross_entropy_rows' arithmetic as torch ops (off CUDA, without triton)."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != -100
+    index = torch.where(valid, target, 0).unsqueeze(1)
+    row_loss = torch.where(valid, lse - z.gather(1, index).squeeze(1), 0.0)
+    grad = torch.exp(z - lse.unsqueeze(1))
+    grad.scatter_add_(1, index, torch.full_like(index, -1, dtype=grad.dtype))
+    grad *= torch.where(valid, scale, 0.0).unsqueeze(1)
+    logits.copy_(grad)
+    return row_loss
+
+
+def _moe_rewrite_loss_accumulate(total, a, b, single):
+    """total + a @ b, accumulated in float32 over the chunks (None: the first). One chunk: a @ b in a's dtype, as the
+    published backward's single GEMM computes it."""
+    if single:
+        return a @ b
+    if total is None:
+        total = torch.zeros(a.shape[0], b.shape[1], device=a.device, dtype=torch.float32)
+    if a.dtype == torch.float32:
+        return total.addmm_(a, b)
+    if _moe_rewrite_lm_loss_cache.get("out_dtype", True):
+        try:  # torch >= 2.8 on CUDA: a bf16 GEMM accumulating into float32, no bf16 product in between
+            return torch.addmm(total, a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _moe_rewrite_lm_loss_cache["out_dtype"] = False
+    return total.add_(a @ b)
+
+
+def _moe_rewrite_cross_entropy_kernel(device, dtype):
+    """The Triton cross-entropy kernel where the other Triton kernels run (dispatch.py: CUDA, triton, not
+    MOE_REWRITE_TRITON=0, not under torch.compile), else None. Built once per process."""
+    if _moe_rewrite_triton(device, dtype) is None:
+        return None
+    if "kernels" not in _moe_rewrite_lm_loss_cache:
+        _moe_rewrite_lm_loss_cache["kernels"] = _moe_rewrite_cross_entropy_kernels()
+    return _moe_rewrite_lm_loss_cache["kernels"]
