@@ -79,8 +79,9 @@ class Reporter:
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def attention(self, result: RewriteResult) -> None:
-        """Under a file's line: each attention left as published and why; with -v also the classes that run SDPA."""
-        for line in result.attention:
+        """Under a file's line: each attention or norm left as published and why; with -v also the classes that run
+        SDPA and the fused norm."""
+        for line in (*result.attention, *result.norm):
             if " left as published: " in line:
                 self.info(f"  {line}")
             else:
@@ -259,6 +260,13 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     "(the default load); --no-sdpa keeps the published attention.",
 )
 @click.option(
+    "--fused-norm/--no-fused-norm",
+    default=True,
+    show_default=True,
+    help="Run RMSNorm through one fused Triton kernel each way on CUDA (the published norm elsewhere); "
+    "--no-fused-norm keeps the published norm everywhere.",
+)
+@click.option(
     "--fuse-experts/--no-fuse-experts",
     default=True,
     show_default=True,
@@ -293,6 +301,7 @@ def command(
     gradient_checkpointing,
     compat,
     sdpa,
+    fused_norm,
     fuse_experts,
     force,
     skip_unrecognised,
@@ -340,6 +349,7 @@ def command(
         fuse_experts=fuse_experts,
         compat=compat,
         sdpa=sdpa,
+        fused_norm=fused_norm,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

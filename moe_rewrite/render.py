@@ -44,6 +44,7 @@ SECTIONS = {
     "aux_loss": "the sequence-wise balance loss (--aux-loss)",
     "bias_update": "aux-loss-free balancing, bias += RATE * sign(mean load - load) (--bias-update)",
     "attention": "the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape",
+    "triton_rmsnorm": "RMSNorm and its backward in Triton where they apply (CUDA); the published norm elsewhere",
     "checkpoint_layer": "gradient_checkpointing_enable() checkpoints the decoder layers",
     "compat_cache": "Cache methods that later transformers releases removed",
     "compat_rope_scaling": "config.rope_scaling as the file expects it on transformers 5.x",

@@ -26,6 +26,7 @@ from moe_rewrite.codemods import (
     gradient_checkpointing,
     init_weights,
     moe_forward,
+    rmsnorm,
 )
 from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
@@ -38,6 +39,7 @@ __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_
 CODEMODS: list[Codemod] = [
     compat,
     attention,
+    rmsnorm,
     gradient_checkpointing,
     init_weights,
     moe_forward,
@@ -50,6 +52,7 @@ RESULT_READS: tuple[Field, ...] = (
     "moe",
     "compat",
     "attention",
+    "norm",
 )  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
@@ -80,6 +83,7 @@ class RewriteResult:
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
     attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
+    norm: tuple[str, ...] = ()  # what the rmsnorm codemod did, or left as published and why, a line each
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
@@ -122,6 +126,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
         attention=tuple(context.attention_lines()),
+        norm=tuple(context.norm_lines()),
     )
 
 

@@ -68,7 +68,7 @@ class CompatChanges:
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
-Field = Literal["moe", "compat", "attention"]  # the Context fields one codemod fills for the later ones
+Field = Literal["moe", "compat", "attention", "norm"]  # the Context fields one codemod fills for the later ones
 
 
 @dataclass
@@ -80,6 +80,7 @@ class Context:
     moe: MoeClassInfo | None = None  # filled by moe_forward
     compat: CompatChanges | None = None  # filled by compat
     attention: list[str] | None = None  # filled by attention: its summary lines
+    norm: list[str] | None = None  # filled by rmsnorm: its summary lines
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 
@@ -99,6 +100,11 @@ class Context:
         if self.attention is None:
             raise InternalError("the attention lines were read before the attention codemod ran")
         return self.attention
+
+    def norm_lines(self) -> list[str]:
+        if self.norm is None:
+            raise InternalError("the norm lines were read before the rmsnorm codemod ran")
+        return self.norm
 
     def compat_changes(self) -> CompatChanges:
         if self.compat is None:
