@@ -67,6 +67,7 @@ OPTION_CASES = {
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
     "no-compat": ("--no-compat",),
     "no-sdpa": ("--no-sdpa",),
+    "no-fused-norm": ("--no-fused-norm",),
     "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
@@ -83,6 +84,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
         "--no-gradient-checkpointing": "gradient_checkpointing",
         "--no-compat": "compat",
         "--no-sdpa": "sdpa",
+        "--no-fused-norm": "fused_norm",
     }
     rest = list(args)
     while rest:
