@@ -51,15 +51,15 @@ def _moe_rewrite_rmsnorm_kernels():
     triton, tl = _moe_rewrite_triton_modules()
 
     @triton.jit
-    def rmsnorm(x, weight, out, rstd, stride, width, eps, BLOCK: tl.constexpr):
+    def rmsnorm(x, weight, out, rstd, stride, width, inv_width, eps, BLOCK: tl.constexpr):
         """One row: rstd = 1/sqrt(mean(x²) + eps) in fp32; out = weight * (x * rstd rounded to x's dtype), the product
         in fp32 rounded to out's dtype (the promoted one)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
         xs = tl.load(x + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-        # torch's mean multiplies the sum by 1/width in fp32; rsqrt as torch.rsqrt
-        r = tl.rsqrt(tl.sum(xs * xs, axis=0) * (1.0 / width) + eps)
+        # torch's mean multiplies the sum by 1/width (rounded to fp32); rsqrt as torch.rsqrt
+        r = tl.rsqrt(tl.sum(xs * xs, axis=0) * inv_width + eps)
         normed = (xs * r).to(x.dtype.element_ty).to(tl.float32)
         w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + row * width + cols, (w * normed).to(out.dtype.element_ty), mask=mask)
@@ -109,8 +109,8 @@ def _moe_rewrite_rmsnorm_kernels():
 
 
 def _moe_rewrite_rmsnorm_launch(width):
-    """(BLOCK, num_warps) for rows `width` wide: the whole row in one block; more warps for wider rows (Liger's and
-    Unsloth's rule), so that each thread holds at most 16 fp32 values of a row."""
+    """(BLOCK, num_warps) for rows `width` wide: the whole row in one block; more warps for wider rows, so that each
+    thread holds at most 16 fp32 values of a row."""
     block = 1 << (width - 1).bit_length()
     return block, min(max(block // 512, 4), 16)
 
@@ -137,7 +137,7 @@ class _MoeRewriteRMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
         block, warps = _moe_rewrite_rmsnorm_launch(width)
         kernels["rmsnorm"][(rows.shape[0],)](
-            rows, weight, out, rstd, rows.stride(0), width, eps, BLOCK=block, num_warps=warps
+            rows, weight, out, rstd, rows.stride(0), width, 1.0 / width, eps, BLOCK=block, num_warps=warps
         )
         ctx.save_for_backward(rows, weight, rstd)
         ctx.x_shape = x.shape
