@@ -121,9 +121,9 @@ def ulps(a, b, dtype):
 @pytest.mark.parametrize("x_dtype,w_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")])
 def test_the_fused_rmsnorm_equals_the_published_module(monkeypatch, x_dtype, w_dtype, width):
     """The fused norm against the published module on the same bf16/fp32 inputs and weight, under non-reentrant
-    checkpointing (the forward runs twice): output dtype as published (promoted); values bit for bit the published
-    ones but where the fp32 mean's summation order flips a rounding of the normalised row to x's dtype (rare in bf16:
-    a step of x's dtype, then the weight's rounding); gradients of x and the weight within bf16 tolerance.
+    checkpointing (the forward runs twice): output dtype as published (promoted); in bf16 bit for bit the published
+    values but where the fp32 mean's summation order flips a rounding of the normalised row (rare); gradients of x and
+    the weight within bf16 tolerance (fp32: 1e-5).
     MOE_REWRITE_FUSED_NORM=0 turns it off."""
     from moe_rewrite.runtime import triton_rmsnorm
 
@@ -146,8 +146,10 @@ def test_the_fused_rmsnorm_equals_the_published_module(monkeypatch, x_dtype, w_d
 
     got, want = run(True), run(False)
     assert got[0].dtype == want[0].dtype == torch.promote_types(x_dtype, w_dtype)
-    unit = torch.bfloat16 if torch.bfloat16 in (x_dtype, w_dtype) else torch.float32
-    assert ulps(got[0], want[0], unit) <= 2, ulps(got[0], want[0], unit)
+    # a flipped rounding of the normalised row to bf16 moves the output a step of bf16 (and the weight's rounding
+    # another); in fp32 the mean's summation order and rsqrt move it a few fp32 steps
+    unit, steps = (torch.bfloat16, 3) if torch.bfloat16 in (x_dtype, w_dtype) else (torch.float32, 8)
+    assert ulps(got[0], want[0], unit) <= steps, ulps(got[0], want[0], unit)
     if x_dtype == torch.bfloat16:
         assert torch.eq(got[0], want[0]).float().mean().item() > 0.99
     for name, a, b in zip(["x", "weight"], got[1:], want[1:]):

@@ -144,6 +144,7 @@ class _MoeRewriteRMSNorm(torch.autograd.Function):
         return out.view(x.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: an error, not wrong gradients
     def backward(ctx, grad):
         rows, weight, rstd = ctx.saved_tensors
         width = rows.shape[1]
