@@ -79,9 +79,9 @@ class Reporter:
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def attention(self, result: RewriteResult) -> None:
-        """Under a file's line: each attention or loss left as published and why; with -v also the classes that run
-        SDPA and the fused loss."""
-        for line in [*result.attention, *result.loss]:
+        """Under a file's line: each attention, loss or norm left as published and why; with -v also the classes that
+        run SDPA, the fused loss and the fused norm."""
+        for line in (*result.attention, *result.loss, *result.norm):
             if " left as published: " in line:
                 self.info(f"  {line}")
             else:
@@ -267,6 +267,13 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     "(outputs.logits is None there); --no-fused-loss keeps the published loss.",
 )
 @click.option(
+    "--fused-norm/--no-fused-norm",
+    default=True,
+    show_default=True,
+    help="Run RMSNorm through one fused Triton kernel each way on CUDA (the published norm elsewhere); "
+    "--no-fused-norm keeps the published norm everywhere.",
+)
+@click.option(
     "--fuse-experts/--no-fuse-experts",
     default=True,
     show_default=True,
@@ -302,6 +309,7 @@ def command(
     compat,
     sdpa,
     fused_loss,
+    fused_norm,
     fuse_experts,
     force,
     skip_unrecognised,
@@ -350,6 +358,7 @@ def command(
         compat=compat,
         sdpa=sdpa,
         fused_loss=fused_loss,
+        fused_norm=fused_norm,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

@@ -22,6 +22,7 @@ class RewriteOptions:
     compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat.py)
     sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/attention.py)
     fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/lm_loss.py)
+    fused_norm: bool = True  # RMSNorm through the fused Triton kernels where they apply (codemods/rmsnorm.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -33,7 +34,7 @@ class RewriteOptions:
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss]: the defaults are not named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm]: the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -49,6 +50,8 @@ class RewriteOptions:
             parts.append("no-sdpa")
         if not self.fused_loss:
             parts.append("no-fused-loss")
+        if not self.fused_norm:
+            parts.append("no-fused-norm")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

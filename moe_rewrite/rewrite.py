@@ -27,6 +27,7 @@ from moe_rewrite.codemods import (
     init_weights,
     lm_loss,
     moe_forward,
+    rmsnorm,
 )
 from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
@@ -40,6 +41,7 @@ CODEMODS: list[Codemod] = [
     compat,
     attention,
     lm_loss,
+    rmsnorm,
     gradient_checkpointing,
     init_weights,
     moe_forward,
@@ -53,6 +55,7 @@ RESULT_READS: tuple[Field, ...] = (
     "compat",
     "attention",
     "loss",
+    "norm",
 )  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
@@ -84,6 +87,7 @@ class RewriteResult:
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
     attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
     loss: tuple[str, ...] = ()  # what the lm_loss codemod did, or left as published and why, a line each
+    norm: tuple[str, ...] = ()  # what the rmsnorm codemod did, or left as published and why, a line each
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
@@ -127,6 +131,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         sections=tuple(sorted(context.sections)),
         attention=tuple(context.attention_lines()),
         loss=tuple(context.loss_lines()),
+        norm=tuple(context.norm_lines()),
     )
 
 

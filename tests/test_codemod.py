@@ -68,6 +68,7 @@ OPTION_CASES = {
     "no-compat": ("--no-compat",),
     "no-sdpa": ("--no-sdpa",),
     "no-fused-loss": ("--no-fused-loss",),
+    "no-fused-norm": ("--no-fused-norm",),
     "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
@@ -85,6 +86,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
         "--no-compat": "compat",
         "--no-sdpa": "sdpa",
         "--no-fused-loss": "fused_loss",
+        "--no-fused-norm": "fused_norm",
     }
     rest = list(args)
     while rest:

@@ -1,8 +1,9 @@
 """The generated core's GPU kernels against the per-expert loop in float32 on the same bf16 weights: torch._grouped_mm
 (backend torch, with the Triton kernels and without) and SonicMoE (backend sonicmoe, where sonic-moe is installed on
 an sm90 GPU). Outputs and the gradients of x, the routing weights and both expert parameters within 1e-2, empty
-experts' weight gradients exact zeros, under random, skewed and single-token routing. CI's CPU machine skips this file
-(no GPU); its runs on the H200 are recorded in bench/results/ (h200-cuda-tests-*.txt).
+experts' weight gradients exact zeros, under random, skewed and single-token routing; and the fused RMSNorm against the
+published module in bf16 and fp32. CI's CPU machine skips this file (no GPU); its runs on the H200 are recorded in
+bench/results/ (h200-cuda-tests-*.txt).
 """
 
 from __future__ import annotations
@@ -154,3 +155,68 @@ def test_the_default_model_trains_under_gradient_checkpointing_in_bf16(tmp_path_
     norm = torch.stack([g.norm() for g in grads.values()]).norm()
     want_norm = torch.stack([g.norm() for g in want_grads.values()]).norm()
     assert abs(norm / want_norm - 1) < 5e-2
+
+
+class PublishedRMSNorm(torch.nn.Module):
+    """The published DeepseekV3RMSNorm, as every copy writes it."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def ulps(a, b, dtype):
+    """The largest difference of a and b in units of dtype's epsilon times b's magnitude (one to two ulps of dtype
+    at b)."""
+    spacing = torch.finfo(dtype).eps * b.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    return ((a.float() - b.float()).abs() / spacing).max().item()
+
+
+@pytest.mark.parametrize("width", [2048, 7168, 100])
+@pytest.mark.parametrize("x_dtype,w_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")])
+def test_the_fused_rmsnorm_equals_the_published_module(monkeypatch, x_dtype, w_dtype, width):
+    """The fused norm against the published module on the same bf16/fp32 inputs and weight, under non-reentrant
+    checkpointing (the forward runs twice): output dtype as published (promoted); in bf16 bit for bit the published
+    values but where the fp32 mean's summation order flips a rounding of the normalised row (rare); gradients of x and
+    the weight within bf16 tolerance (fp32: 1e-5).
+    MOE_REWRITE_FUSED_NORM=0 turns it off."""
+    from moe_rewrite.runtime import triton_rmsnorm
+
+    x_dtype, w_dtype = getattr(torch, x_dtype), getattr(torch, w_dtype)
+    torch.manual_seed(width)
+    norm = PublishedRMSNorm(width).cuda().to(w_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (3 * torch.randn(4, 1000, width, device="cuda")).to(x_dtype)
+    probe = torch.randn(4, 1000, width, device="cuda")
+    assert triton_rmsnorm._moe_rewrite_rmsnorm_applies(x, norm.weight)
+
+    def run(fused):
+        leaf = x.detach().requires_grad_(True)
+        norm.weight.grad = None
+        forward = (lambda h: triton_rmsnorm._moe_rewrite_rmsnorm(h, norm.weight, 1e-6)) if fused else norm
+        y = torch.utils.checkpoint.checkpoint(forward, leaf, use_reentrant=False)
+        (y.float() * probe).sum().backward()
+        return y.detach(), leaf.grad, norm.weight.grad
+
+    got, want = run(True), run(False)
+    assert got[0].dtype == want[0].dtype == torch.promote_types(x_dtype, w_dtype)
+    # a flipped rounding of the normalised row to bf16 moves the output a step of bf16 (and the weight's rounding
+    # another); in fp32 the mean's summation order and rsqrt move it a few fp32 steps
+    unit, steps = (torch.bfloat16, 3) if torch.bfloat16 in (x_dtype, w_dtype) else (torch.float32, 8)
+    assert ulps(got[0], want[0], unit) <= steps, ulps(got[0], want[0], unit)
+    if x_dtype == torch.bfloat16:
+        assert torch.eq(got[0], want[0]).float().mean().item() > 0.99
+    for name, a, b in zip(["x", "weight"], got[1:], want[1:]):
+        assert a.dtype == b.dtype, name
+        assert rel(a, b) < (1e-2 if torch.bfloat16 in (x_dtype, w_dtype) else 1e-5), (name, rel(a, b))
+    runtime_env(monkeypatch, "MOE_REWRITE_FUSED_NORM", "0")
+    assert not triton_rmsnorm._moe_rewrite_rmsnorm_applies(x, norm.weight)

@@ -25,6 +25,7 @@ from moe_rewrite.runtime import (  # noqa: E402
     triton_cross_entropy,
     triton_gather,
     triton_gemm,
+    triton_rmsnorm,
     triton_route,
     triton_sum_rows,
     triton_swiglu,
@@ -607,3 +608,40 @@ def test_cross_entropy_rows_equal_the_torch_rows(kernels):
     assert got_rows[1] == 0 and got_rows[4] == 0
     assert torch.allclose(logits, want, rtol=1e-5, atol=1e-7)
     assert not logits[1].any() and not logits[4].any()
+
+
+def published_rmsnorm(x, weight, eps):
+    """The published RMSNorm's forward, written out."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+@pytest.mark.parametrize("width", [64, 100])
+def test_rmsnorm_and_its_backward_equal_float64(width):
+    """The fused RMSNorm (fp32 rows and weight) against the published formula in float64: output and the gradients
+    of x and the weight, for more rows than the backward's programs (each sums several rows of the weight's gradient),
+    rows with a stride of their own (a slice of wider rows), a width not a power of two; and without the weight's
+    gradient (a frozen norm)."""
+    rows = 37 if DEVICE == "cpu" else 3000
+    wide = torch.randn(rows, width + 7, device=DEVICE)
+    x = wide[:, :width]  # row stride width + 7
+    weight = torch.rand(width, device=DEVICE) + 0.5
+    grad = torch.randn(rows, width, device=DEVICE)
+    exact = [x.double().requires_grad_(True), weight.double().requires_grad_(True)]
+    want = published_rmsnorm(*exact, 1e-6)
+    want_grads = torch.autograd.grad(want, exact, grad.double())
+    assert triton_rmsnorm._moe_rewrite_rmsnorm_programs(x.device, rows) < rows
+    for weight_grad in (True, False):
+        leaves = [x.clone().requires_grad_(True), weight.clone().requires_grad_(weight_grad)]
+        got = triton_rmsnorm._moe_rewrite_rmsnorm(leaves[0], leaves[1], 1e-6)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+        got.backward(grad)
+        assert torch.allclose(leaves[0].grad.double(), want_grads[0], rtol=1e-5, atol=1e-5)
+        if weight_grad:
+            assert torch.allclose(leaves[1].grad.double(), want_grads[1], rtol=1e-5, atol=1e-4)
+        else:
+            assert leaves[1].grad is None

@@ -68,7 +68,7 @@ class CompatChanges:
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
-Field = Literal["moe", "compat", "attention", "loss"]  # the Context fields one codemod fills for the later ones
+Field = Literal["moe", "compat", "attention", "loss", "norm"]  # the Context fields one codemod fills for the later ones
 
 
 @dataclass
@@ -81,6 +81,7 @@ class Context:
     compat: CompatChanges | None = None  # filled by compat
     attention: list[str] | None = None  # filled by attention: its summary lines
     loss: list[str] | None = None  # filled by lm_loss: its summary lines
+    norm: list[str] | None = None  # filled by rmsnorm: its summary lines
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 
@@ -105,6 +106,11 @@ class Context:
         if self.loss is None:
             raise InternalError("the loss lines were read before the lm_loss codemod ran")
         return self.loss
+
+    def norm_lines(self) -> list[str]:
+        if self.norm is None:
+            raise InternalError("the norm lines were read before the rmsnorm codemod ran")
+        return self.norm
 
     def compat_changes(self) -> CompatChanges:
         if self.compat is None:
