@@ -127,7 +127,8 @@ def test_the_fused_loss_equals_the_published_loss_in_bf16(monkeypatch, triton):
 def test_the_default_model_trains_under_gradient_checkpointing_in_bf16(tmp_path_factory, monkeypatch, form):
     """The stand-in rewritten with the defaults, bf16 on the GPU, gradient checkpointing (non-reentrant), the backend
     probes run inside the first checkpointed layer (caches emptied): loss and gradient norm within bf16 noise of the
-    published attention and loss (MOE_REWRITE_SDPA=0, MOE_REWRITE_FUSED_LOSS=0) on the same weights and tokens."""
+    published attention, loss and norm (MOE_REWRITE_SDPA=0, MOE_REWRITE_FUSED_LOSS=0, MOE_REWRITE_FUSED_NORM=0) on the
+    same weights and tokens."""
     from conftest import build_model, patched_checkpoint
 
     from moe_rewrite.runtime import attention
@@ -138,6 +139,7 @@ def test_the_default_model_trains_under_gradient_checkpointing_in_bf16(tmp_path_
     for published in ("0", "1"):
         runtime_env(monkeypatch, "MOE_REWRITE_SDPA", "0" if published == "1" else "1")
         runtime_env(monkeypatch, "MOE_REWRITE_FUSED_LOSS", "0" if published == "1" else "1")
+        runtime_env(monkeypatch, "MOE_REWRITE_FUSED_NORM", "0" if published == "1" else "1")
         attention._moe_rewrite_attention_cache.clear()
         model = build_model(path).cuda().bfloat16()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
