@@ -80,6 +80,7 @@ class Context:
     moe: MoeClassInfo | None = None  # filled by moe_forward
     compat: CompatChanges | None = None  # filled by compat
     attention: list[str] | None = None  # filled by attention: its summary lines
+    sdpa_classes: list[str] = field(default_factory=list)  # filled by attention: the classes "sdpa" selects (rewritten)
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 

@@ -524,6 +524,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         for s in body
     ]
     module = module.with_changes(body=body)
+    context.sdpa_classes = sorted({eager for _, _, eager in entries})
     context.sections.add("attention")
     notes.insert(0, f"attention: SDPA in {', '.join(rewritten)} ({SDPA_DEFAULT})")
     return module
