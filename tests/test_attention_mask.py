@@ -216,3 +216,15 @@ def test_the_attention_left_as_published_keeps_the_mask_in_the_cli(tmp_path):
     code, _, err = run_cli(path, "--check")
     assert code == 1
     assert "\n  attention mask: DeepseekV3Model left as published: an attention class runs the published core" in err
+
+
+def test_a_flash_only_file_keeps_its_mask_call_and_says_nothing():
+    """No eager attention core (the file runs flash-attn only): neither codemod has anything to do or to say."""
+    start = FIXTURE.index(
+        "        attn_weights = (\n            torch.matmul(query_states, key_states.transpose(2, 3))"
+    )
+    end = FIXTURE.index("        attn_output = attn_output.transpose(1, 2).contiguous()\n")
+    text = FIXTURE[:start] + '        raise NotImplementedError("this file runs flash-attn only")\n' + FIXTURE[end:]
+    result = rewrite_source(text)
+    assert result.changed and result.attention == ()
+    assert "= _moe_rewrite_sdpa_mask(" not in result.text and "= _prepare_4d_causal_attention_mask(" in result.text

@@ -40,6 +40,14 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
         assert not out.exists() and (variant / "modeling_deepseek.py").read_text() == text
         return
     assert result[0] == 0, result[2]
+    if mutation.attention:  # the attention through SDPA, or left as published with its mask and a line saying why
+        written = (out / "modeling_deepseek.py").read_text()
+        if mutation.attention == "sdpa":
+            assert "= _moe_rewrite_attention(" in written and "left as published" not in result[2], result[2]
+            assert "= _moe_rewrite_sdpa_mask(" in written
+        else:
+            assert f"\n  {mutation.attention}" in result[2], result[2]
+            assert "= _moe_rewrite_attention(" not in written and "= _moe_rewrite_sdpa_mask(" not in written
     rewritten = build_model(out, seed=5)
     with torch.no_grad():
         for name, p in rewritten.named_parameters():

@@ -209,9 +209,8 @@ def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | Non
 
 def _why_not(module: cst.Module, context: Context) -> str | None:
     """Why no mask call of the file may be wrapped, whatever its shape (None when they may)."""
-    left = any(" left as published: " in line for line in context.attention_lines())
-    if left or not context.attention_lines():
-        return "an attention class runs the published core, which needs the 4-D mask" if left else "no SDPA attention"
+    if any(" left as published: " in line for line in context.attention_lines()):
+        return "an attention class runs the published core, which needs the 4-D mask"
     if not context.sdpa_classes:
         return "the SDPA attention is not chosen through an ATTENTION_CLASSES-like dict"
     return _not_imported(module)
@@ -231,9 +230,9 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         and _calls(forward, BUILD)
         and _pretrained(cls, classes)
     ]
-    if not found:
-        return module
     notes = context.attention_lines()
+    if not found or not notes:  # no eager attention (a flash-only file): nothing to do, nothing to say
+        return module
     reason = _why_not(module, context)
     done = []
     for name, forward in found:
