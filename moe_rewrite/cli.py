@@ -257,7 +257,8 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     default=True,
     show_default=True,
     help="Run the attention core through torch's scaled_dot_product_attention where the config asks for 'sdpa' "
-    "(the default load); --no-sdpa keeps the published attention.",
+    "(the default load), with no 4-D mask where it would only be causal; --no-sdpa keeps the published attention "
+    "and mask.",
 )
 @click.option(
     "--fused-loss/--no-fused-loss",

@@ -18,6 +18,7 @@ from moe_rewrite.codemods import (
     Context,
     Field,
     attention,
+    attention_mask,
     block,
     compat,
     expert_layout,
@@ -40,6 +41,7 @@ __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_
 CODEMODS: list[Codemod] = [
     compat,
     attention,
+    attention_mask,
     lm_loss,
     rmsnorm,
     gradient_checkpointing,

@@ -21,6 +21,19 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def eval_branch_with_grads(model) -> None:
+    """The published V3 file's training reference (its MoE refuses training): each MoE layer takes its eval branch,
+    with moe_infer recording gradients."""
+    import types
+
+    for module in model.modules():
+        if hasattr(module, "moe_infer"):
+            module.eval()
+            # published with @torch.no_grad(), which keeps the function as __wrapped__
+            moe_infer = type(module).moe_infer
+            module.moe_infer = types.MethodType(getattr(moe_infer, "__wrapped__", moe_infer), module)
+
+
 def moe_layer(model):
     layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
     assert layers, "no rewritten MoE layer in the model"

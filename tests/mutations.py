@@ -1,8 +1,9 @@
 """Variants of the stand-in fixtures for the exact-or-refused test (tests/test_mutations.py): each one edits the MoE
-forward or the router the way people hand-edit these files (statements inserted before, after and inside the regions
-moe-rewrite replaces, statements split, casts moved, guards respelled, names changed, one-line branches) and says
-what moe-rewrite must do with it: "exact" (rewrite it, and training gives the variant's own numbers) or "refused"
-(exit 2, one line, nothing written).
+forward, the router or the attention the way people hand-edit these files (statements inserted before, after and
+inside the regions moe-rewrite replaces, statements split, casts moved, guards respelled, names changed, one-line
+branches) and says what moe-rewrite must do with it: "exact" (rewrite it, and training gives the variant's own
+numbers) or "refused" (exit 2, one line, nothing written). An attention it cannot prove is neither: it stays as
+published, with a line saying why, and the rest of the file is rewritten ("exact").
 
     python tests/mutations.py OUT_DIR    # writes OUT_DIR/<form>_<name>/modeling_deepseek.py, to look at them
 """
@@ -66,6 +67,9 @@ class Mutation:
     # for "exact": the numbers to match: the variant's own ("own"), or the unedited stand-in rewritten with the same
     # options ("fixture"; for options that change training on purpose, such as --aux-loss)
     reference: str = "own"
+    # for attention edits: "sdpa" (the core runs through SDPA) or what the line under the file's line must say about
+    # the attention left as published (the Model's 4-D mask then stays as published too)
+    attention: str = ""
 
     @property
     def fixture(self) -> Path:
@@ -698,6 +702,74 @@ def _moe_infer_and_paths_around_it(form: str) -> list[Mutation]:
 
 # moe_infer's body, the call's shape, MoE subclasses, helpers (V3 and V2)
 MUTATIONS += _moe_infer_and_paths_around_it("v3") + _moe_infer_and_paths_around_it("v2")
+
+
+# The eager attention's core in the V3 stand-in (the V2 one is the same but for the class name)
+SCORE = "            torch.matmul(query_states, key_states.transpose(2, 3)) * self.softmax_scale\n"
+SCORE_START = "        attn_weights = (\n" + SCORE + "        )\n"
+SOFTMAX_DTYPE = "            attn_weights, dim=-1, dtype=torch.float32\n"
+CONTIGUOUS = "        attn_output = attn_output.transpose(1, 2).contiguous()\n"
+LEFT = "attention: DeepseekV3Attention left as published: "
+
+
+def _attention_mutations() -> list[Mutation]:
+    """The eager attention as people hand-edit it: each variant runs through SDPA with the variant's own numbers, or
+    is left as published (its mask too) with a line saying why; the rest of the file is rewritten either way."""
+    alibi = "        alibi = -0.01 * torch.arange(kv_seq_len, dtype=query_states.dtype, device=query_states.device)\n"
+    return [
+        Mutation(
+            "v3",
+            "attention_scale_expression",
+            "exact",
+            ((SCORE, SCORE.replace("self.softmax_scale", "(self.softmax_scale * 0.5)")),),
+            attention="sdpa",
+        ),
+        Mutation(
+            "v3",
+            "attention_two_statement_score",
+            "exact",
+            (
+                (
+                    SCORE_START,
+                    "        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3))\n"
+                    "        attn_weights = attn_weights * self.softmax_scale\n",
+                ),
+            ),
+            attention="sdpa",
+        ),
+        Mutation(
+            "v3",
+            "attention_no_contiguous",
+            "exact",
+            ((CONTIGUOUS, CONTIGUOUS.replace(".contiguous()", "")),),
+            attention="sdpa",
+        ),
+        Mutation(
+            "v3",
+            "attention_extra_score_term",
+            "exact",
+            ((SCORE_START, alibi + SCORE_START.replace("self.softmax_scale\n", "self.softmax_scale + alibi\n")),),
+            attention=LEFT + "the scores `attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * "
+            "self.softmax_scale + alibi` are not",
+        ),
+        Mutation(
+            "v3",
+            "attention_softmax_dtype",
+            "exact",
+            ((SOFTMAX_DTYPE, SOFTMAX_DTYPE.replace("float32", "float64")),),
+            attention=LEFT + "`attn_weights = nn.functional.softmax(",
+        ),
+        Mutation(
+            "v3",
+            "attention_mask_reassigned",
+            "exact",
+            (_before(SCORE_START, "        attention_mask = attention_mask * 1\n"),),
+            attention=LEFT + "`attention_mask` is reassigned before the core",
+        ),
+    ]
+
+
+MUTATIONS += _attention_mutations()
 
 
 def variant_text(mutation: Mutation) -> str:

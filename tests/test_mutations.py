@@ -7,7 +7,6 @@ layers in eval mode, moe_infer without its no_grad). Variants rewritten with opt
 from __future__ import annotations
 
 import shutil
-import types
 
 import pytest
 
@@ -15,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
+from helpers import eval_branch_with_grads  # noqa: E402
 from mutations import MUTATIONS, variant_text  # noqa: E402
 
 ATOL = 1e-5  # fp32, the same sums in another order
@@ -24,17 +24,6 @@ def _train_step(model, ids) -> tuple[float, dict]:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.item(), per_expert_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-
-
-def _eval_branch_with_grads(model) -> None:
-    """The V3 reference: each MoE layer takes its eval branch, with moe_infer recording gradients."""
-    for module in model.modules():
-        if hasattr(module, "moe_infer"):
-            module.eval()
-            moe_infer = type(
-                module
-            ).moe_infer  # published with @torch.no_grad(), which keeps the function as __wrapped__
-            module.moe_infer = types.MethodType(getattr(moe_infer, "__wrapped__", moe_infer), module)
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
@@ -51,6 +40,14 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
         assert not out.exists() and (variant / "modeling_deepseek.py").read_text() == text
         return
     assert result[0] == 0, result[2]
+    if mutation.attention:  # the attention through SDPA, or left as published with its mask and a line saying why
+        written = (out / "modeling_deepseek.py").read_text()
+        if mutation.attention == "sdpa":
+            assert "= _moe_rewrite_attention(" in written and "left as published" not in result[2], result[2]
+            assert "= _moe_rewrite_sdpa_mask(" in written
+        else:
+            assert f"\n  {mutation.attention}" in result[2], result[2]
+            assert "= _moe_rewrite_attention(" not in written and "= _moe_rewrite_sdpa_mask(" not in written
     rewritten = build_model(out, seed=5)
     with torch.no_grad():
         for name, p in rewritten.named_parameters():
@@ -82,7 +79,7 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
         shutil.copy(tmp_path / "weights" / "model.safetensors", reference / "model.safetensors")
         own = AutoModelForCausalLM.from_pretrained(reference, trust_remote_code=True, torch_dtype=torch.float32).train()
     elif mutation.form == "v3":
-        _eval_branch_with_grads(own)
+        eval_branch_with_grads(own)
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))
     loss, grads = _train_step(rewritten.train(), ids)
     own_loss, own_grads = _train_step(own, ids)

@@ -15,6 +15,7 @@ from conftest import FORM_DIRS, build_model, model_module, per_expert_checkpoint
 from helpers import (  # noqa: E402
     REL,
     assert_matches_reference,
+    eval_branch_with_grads,
     expert_params,
     fused_grads,
     moe_layer,
@@ -544,3 +545,99 @@ def test_flash_attention_class_gives_the_eager_numbers(patched, form, padding, m
             }
             real = mask[:, start:stop].bool()
             torch.testing.assert_close(outs["flash"][real], outs["eager"][real], rtol=1e-5, atol=1e-6)
+
+
+def _published_and_rewritten(patched, form):
+    """The published stand-in (eager, its only choice) and the rewritten one (sdpa, the default load) with the same
+    weights; V3's router bias, left uninitialised as published, set to small values."""
+    original = build_model(FORM_DIRS[form], seed=1)
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(6)) * 0.1)
+    model = build_model(patched, seed=2)
+    model.load_state_dict(original.state_dict(), strict=True)
+    assert model.config._attn_implementation == "sdpa" and original.config._attn_implementation == "eager"
+    return original, model
+
+
+def _masks_seen(monkeypatch, model) -> list:
+    """What each layer's SDPA call gets as its mask, in call order: None, or the 4-D mask's shape."""
+    module = model_module(model)
+    seen, sdpa = [], module._moe_rewrite_attention
+
+    def spy(query, key, value, mask, scale, dropout_p):
+        seen.append(None if mask is None else tuple(mask.shape))
+        return sdpa(query, key, value, mask, scale, dropout_p)
+
+    monkeypatch.setattr(module, "_moe_rewrite_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("padding", ["no mask", "all ones", "right", "left"])
+def test_the_sdpa_model_equals_the_published_file_with_and_without_padding(patched, form, padding, monkeypatch):
+    """No mask or one of all ones: every layer's SDPA call gets None (its causal kernel); padding: the file's 4-D
+    mask. Either way the published file's eval logits (at unpadded positions), training loss and every gradient (V3:
+    its eval branch run with gradients) within 1e-5; the padded tokens reach V2's router, and its aux loss."""
+    original, model = _published_and_rewritten(patched, form)
+    seen = _masks_seen(monkeypatch, model)
+    seq, pad, pad_id = 10, 4, 255
+    ids = torch.randint(0, pad_id, (2, seq), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    inputs = {"input_ids": ids} if padding == "no mask" else {"input_ids": ids, "attention_mask": mask}
+    labels = ids.clone()
+    if padding in ("right", "left"):
+        padded = slice(seq - pad, seq) if padding == "right" else slice(0, pad)
+        mask[0, padded], ids[0, padded] = 0, pad_id
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        labels = ids.masked_fill(mask == 0, -100)
+        if padding == "left":
+            labels[0, pad] = -100
+    layers = model.config.num_hidden_layers
+    causal_only = padding in ("no mask", "all ones")
+    with torch.no_grad():
+        want = original.eval()(**inputs).logits
+        got = model.eval()(**inputs).logits
+    assert seen == ([None] * layers if causal_only else [(2, 1, seq, seq)] * layers)
+    assert (got - want)[mask.bool()].abs().max().item() <= 1e-5
+
+    model.train()
+    if form == "v3":
+        eval_branch_with_grads(original)
+    else:
+        original.train()
+    results = []
+    for m in (model, original):
+        loss = m(**inputs, labels=labels).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss, grads), (want_loss, want_grads) = results
+    assert abs(loss - want_loss) <= 1e-5
+    assert grads.keys() == want_grads.keys() and "model.layers.0.self_attn.kv_b_proj.weight" in grads
+    for name, grad in want_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_greedy_generation_with_the_cache_equals_the_published_file(patched, form, padding, monkeypatch):
+    """Without padding the prompt and every decoding step (one query over the cache) get no mask; with a left-padded
+    row, the file's 4-D mask throughout; the same tokens either way as the published attention and mask. The reference
+    is the rewritten file loaded with attn_implementation="eager" (bit for bit the published file in eval, the first
+    test above): the published stand-in itself cannot generate on transformers >= 4.47 (the compat rewrite's job)."""
+    from transformers import AutoModelForCausalLM
+
+    _, model = _published_and_rewritten(patched, form)
+    original = AutoModelForCausalLM.from_config(model.config, trust_remote_code=True, attn_implementation="eager")
+    original.load_state_dict(model.state_dict())
+    assert original.config._attn_implementation == "eager" and model.config._attn_implementation == "sdpa"
+    seen = _masks_seen(monkeypatch, model)
+    ids = torch.randint(1, 255, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padding == "left":
+        mask[0, :2], ids[0, :2] = 0, 0
+    options = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    want = original.eval().generate(ids, **options)
+    got = model.eval().generate(ids, **options)
+    assert got.shape == (2, 11) and torch.equal(got, want)
+    assert len(seen) == 5 * model.config.num_hidden_layers
+    assert all(s is None for s in seen) if padding == "none" else all(s is not None for s in seen)

@@ -82,6 +82,7 @@ class Context:
     attention: list[str] | None = None  # filled by attention: its summary lines
     loss: list[str] | None = None  # filled by lm_loss: its summary lines
     norm: list[str] | None = None  # filled by rmsnorm: its summary lines
+    sdpa_classes: list[str] = field(default_factory=list)  # filled by attention: the classes "sdpa" selects (rewritten)
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 

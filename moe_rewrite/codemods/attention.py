@@ -241,7 +241,7 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
     i = matmul[0]
     bound: dict[str, object] = {}
     if not (_matches("score", trees[i], bound) or (_matches("score_alone", trees[i], bound))):
-        return f"the scores `{_first_line(body[i])}` are not `torch.matmul(Q, K.transpose(2, 3))` times a scale"
+        return f"the scores `{ast.unparse(trees[i])}` are not `torch.matmul(Q, K.transpose(2, 3))` times a scale"
     start, i = i, i + 1
     if "SCALE" not in bound:
         if i >= len(trees) or not _matches("scaled", trees[i], bound):
@@ -524,6 +524,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         for s in body
     ]
     module = module.with_changes(body=body)
+    context.sdpa_classes = sorted({eager for _, _, eager in entries})
     context.sections.add("attention")
     notes.insert(0, f"attention: SDPA in {', '.join(rewritten)} ({SDPA_DEFAULT})")
     return module

@@ -1,0 +1,255 @@
+"""No 4-D mask where SDPA's causal kernel computes the same (with the attention codemod; off with --no-sdpa).
+
+The published Model forward always builds the additive (batch, 1, query, key) mask, so every layer's SDPA call takes
+the masked kernel (cuDNN: 5.3 ms against 1.5 causal at 2 x 4096 tokens, bench/e2e/PLAN.md). The call gets a wrapper
+that returns None, which _moe_rewrite_attention runs as causal, exactly where that mask is causal only and every layer
+runs SDPA; everywhere else it calls the file's own function with the same arguments::
+
+    # Before
+    attention_mask = _prepare_4d_causal_attention_mask(
+        attention_mask, (batch_size, seq_length), inputs_embeds, past_key_values_length
+    )
+    # After
+    # moe-rewrite: no mask where SDPA runs causal-only; the file's own mask otherwise
+    attention_mask = _moe_rewrite_sdpa_mask(
+        _prepare_4d_causal_attention_mask,
+        self.config,
+        output_attentions,
+        attention_mask, (batch_size, seq_length), inputs_embeds, past_key_values_length
+    )
+
+Proven first: the statement assigns the forward's own mask parameter from transformers'
+`_prepare_4d_causal_attention_mask` (imported, or the compat codemod's copy of it), called with four positional
+arguments, the first that parameter; the class is a PreTrainedModel's; after the call the mask is only passed on to
+calls (the layers). And only where the attention codemod rewrote the attention every "sdpa" load selects, and left no
+attention class as published: a None mask would reach the published core's `assert attention_mask is not None`.
+Otherwise the call stays as published, with a summary line. Every run first takes back an earlier one's wrapper
+(--no-sdpa gives the published call back).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from moe_rewrite.codemods import MARK, Context, Field, class_methods, is_marked, one_line, replace, top_classes
+from moe_rewrite.codemods.attention import PRETRAINED_BASE
+
+READS: tuple[Field, ...] = ("attention",)
+PROVIDES: tuple[Field, ...] = ()
+
+BUILD = "_prepare_4d_causal_attention_mask"
+BUILD_MODULE = "transformers.modeling_attn_mask_utils"
+OUR_CALL = "_moe_rewrite_sdpa_mask"
+NOTE = f"{MARK}: no mask where SDPA runs causal-only; the file's own mask otherwise"
+ADDED = ("self.config", "output_attentions")  # after the file's function, before its own arguments
+MASK_CALL = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Name()))])
+
+
+FX_WRAP = m.Call(
+    func=m.Attribute(value=m.Attribute(value=m.Name("torch"), attr=m.Name("fx")), attr=m.Name("wrap")),
+    args=[m.Arg(value=m.Name(BUILD), keyword=None)],
+)
+
+
+def _assign(stmt: cst.SimpleStatementLine) -> tuple[str, cst.Call]:
+    """The target and the call of a MASK_CALL statement."""
+    assign = cst.ensure_type(stmt.body[0], cst.Assign)
+    return cst.ensure_type(assign.targets[0].target, cst.Name).value, cst.ensure_type(assign.value, cst.Call)
+
+
+def _ours(stmt: cst.SimpleStatementLine) -> bool:
+    """An earlier run's wrapped call: our function, our marker on the line above."""
+    called = _assign(stmt)[1].func
+    noted = any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
+    return noted and m.matches(called, m.Name(OUR_CALL)) and len(_assign(stmt)[1].args) == 1 + len(ADDED) + 4
+
+
+def _published(stmt: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """An earlier run's wrapped call as it was published: the file's function called with its own four arguments."""
+    assign = cst.ensure_type(stmt.body[0], cst.Assign)
+    call = cst.ensure_type(assign.value, cst.Call)
+    published = call.with_changes(func=call.args[0].value, args=call.args[1 + len(ADDED) :])
+    lines = [line for line in stmt.leading_lines if not (line.comment and line.comment.value == NOTE)]
+    return stmt.with_changes(body=[assign.with_changes(value=published)], leading_lines=lines)
+
+
+def _wrapped(stmt: cst.SimpleStatementLine, module: cst.Module) -> cst.SimpleStatementLine:
+    """The call with the file's function, self.config and output_attentions put in front of its own arguments, which
+    keep their nodes (and so their formatting, for _published)."""
+    assign = cst.ensure_type(stmt.body[0], cst.Assign)
+    call = cst.ensure_type(assign.value, cst.Call)
+    comma = call.args[0].comma
+    if not isinstance(comma, cst.Comma):
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    parse = [cst.parse_expression(text, config=module.config_for_parsing) for text in ADDED]
+    added = [cst.Arg(value=value, comma=comma) for value in [call.func, *parse]]
+    wrapped = call.with_changes(func=cst.Name(OUR_CALL), args=[*added, *call.args])
+    return stmt.with_changes(
+        body=[assign.with_changes(value=wrapped)],
+        leading_lines=[*stmt.leading_lines, cst.EmptyLine(comment=cst.Comment(NOTE))],
+    )
+
+
+def _calls(forward: cst.FunctionDef, callee: str) -> list[cst.SimpleStatementLine]:
+    """The forward's statements `NAME = callee(...)`, wherever they are in it."""
+    found = m.findall(forward, MASK_CALL)
+    return [s for s in found if m.matches(_assign(cst.ensure_type(s, cst.SimpleStatementLine))[1].func, m.Name(callee))]
+
+
+def _edited(module: cst.Module, edit) -> cst.Module:
+    """The module with `edit(forward) -> forward` applied to every top-level class's forward."""
+    for cls in top_classes(module).values():
+        forward = class_methods(cls).get("forward")
+        if forward is not None:
+            new = edit(forward)
+            if new is not forward:
+                module = replace(module, forward, new)
+    return module
+
+
+def undo(module: cst.Module) -> cst.Module:
+    """The module with an earlier run's wrapped calls back as published."""
+
+    def published(forward: cst.FunctionDef) -> cst.FunctionDef:
+        while ours := [s for s in _calls(forward, OUR_CALL) if _ours(s)]:  # one at a time: deep_replace makes new nodes
+            forward = cst.ensure_type(forward.deep_replace(ours[0], _published(ours[0])), cst.FunctionDef)
+        return forward
+
+    return _edited(module, published)
+
+
+def _not_imported(module: cst.Module) -> str | None:
+    """Why the module's `_prepare_4d_causal_attention_mask` may not be transformers' (None when it is): each top-level
+    binding is the import from transformers.modeling_attn_mask_utils, the compat codemod's copy in that import's
+    marked `except ImportError:`, or `torch.fx.wrap` of itself."""
+    imported = False
+    for stmt in module.body:
+        for node in m.findall(stmt, m.ImportFrom() | m.Import()):
+            names = cst.ensure_type(node, (cst.ImportFrom, cst.Import)).names  # type: ignore[arg-type]
+            if isinstance(names, cst.ImportStar):
+                return f"`{one_line(node)}` may bind `{BUILD}`"
+            for alias in names:
+                if BUILD in (one_line(alias.name), one_line(alias.asname.name) if alias.asname else ""):
+                    exact = isinstance(node, cst.ImportFrom) and not node.relative and alias.asname is None
+                    if not (exact and node.module is not None and one_line(node.module) == BUILD_MODULE):
+                        return f"`{BUILD}` comes from `{one_line(node)}`"
+                    imported = True
+        for fn in m.findall(stmt, m.FunctionDef(name=m.Name(BUILD)) | m.ClassDef(name=m.Name(BUILD))):
+            compat = [h for h in m.findall(stmt, m.ExceptHandler()) if is_marked(h) and m.findall(h, m.Name(BUILD))]
+            if not any(fn in cst.ensure_type(h, cst.ExceptHandler).body.body for h in compat):
+                return f"the file defines `{BUILD}` itself"
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            continue  # names bound in there are their own
+        targets = m.AssignTarget() | m.AnnAssign() | m.AugAssign() | m.For() | m.AsName()
+        for target in m.findall(stmt, targets):
+            bound = getattr(target, "target", None) or getattr(target, "name", None)
+            if bound is not None and m.findall(bound, m.Name(BUILD)):
+                wraps = m.findall(stmt, m.Assign(targets=[m.AssignTarget(m.Name(BUILD))], value=FX_WRAP))
+                if not any(target in cst.ensure_type(w, cst.Assign).targets for w in wraps):
+                    return f"the file binds `{BUILD}` in `{one_line(stmt)}`"
+    return None if imported else f"`{BUILD}` is not imported from {BUILD_MODULE}"
+
+
+def _pretrained(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether the class derives from PreTrainedModel (directly or through classes of the file)."""
+    if any(m.matches(b.value, PRETRAINED_BASE) for b in cls.bases):
+        return True
+    bases = [b.value.value for b in cls.bases if isinstance(b.value, cst.Name)]
+    seen = seen | {cls.name.value}
+    return any(b in classes and b not in seen and _pretrained(classes[b], classes, seen) for b in bases)
+
+
+class _UsesAfter(cst.CSTVisitor):
+    """Finds a use of `mask` after `stmt` other than as a call's argument (a keyword's name is not a use)."""
+
+    def __init__(self, stmt: cst.SimpleStatementLine, mask: str) -> None:
+        self.stmt, self.mask, self.after, self.skip, self.found = stmt, mask, False, set(), None
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        if original_node is self.stmt:
+            self.after = True
+        super().on_leave(original_node)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if m.matches(node.value, m.Name(self.mask)):
+            self.skip.add(id(node.value))
+        if node.keyword is not None:
+            self.skip.add(id(node.keyword))
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.skip.add(id(node.attr))
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if self.after and self.found is None and node.value == self.mask and id(node) not in self.skip:
+            self.found = node
+
+
+def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | None:
+    """Why the statement is not the published call (None when it is)."""
+    target, call = _assign(stmt)
+    shown = f"`{target} = {BUILD}(...)`"
+    params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
+    if target not in params:
+        return f"{shown} does not assign a parameter of forward"
+    if "output_attentions" not in params:
+        return "forward has no `output_attentions` parameter"
+    if len(call.args) != 4 or any(a.keyword is not None or a.star for a in call.args):
+        return f"{shown} does not pass four positional arguments"
+    if not m.matches(call.args[0].value, m.Name(target)):
+        return f"{shown} does not build it from `{target}` itself"
+    if len(stmt.body) != 1:
+        return f"{shown} shares its line with another statement"
+    uses = _UsesAfter(stmt, target)
+    forward.visit(uses)
+    if uses.found is not None:
+        return f"`{target}` is used after {shown} other than passed on to a call"
+    return None
+
+
+def _why_not(module: cst.Module, context: Context) -> str | None:
+    """Why no mask call of the file may be wrapped, whatever its shape (None when they may)."""
+    if any(" left as published: " in line for line in context.attention_lines()):
+        return "an attention class runs the published core, which needs the 4-D mask"
+    if not context.sdpa_classes:
+        return "the SDPA attention is not chosen through an ATTENTION_CLASSES-like dict"
+    return _not_imported(module)
+
+
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with the Model's mask call wrapped where proven (with --sdpa, the default); where a mask call stays
+    as published, a line in context.attention saying why."""
+    module = undo(module)
+    if not context.options.sdpa:
+        return module
+    classes = top_classes(module)
+    found = [
+        (name, forward)
+        for name, cls in classes.items()
+        if (forward := class_methods(cls).get("forward")) is not None
+        and _calls(forward, BUILD)
+        and _pretrained(cls, classes)
+    ]
+    notes = context.attention_lines()
+    if not found or not notes:  # no eager attention (a flash-only file): nothing to do, nothing to say
+        return module
+    reason = _why_not(module, context)
+    done = []
+    for name, forward in found:
+        new, i = forward, 0
+        while i < len(calls := _calls(new, BUILD)):  # one at a time: deep_replace makes new nodes
+            why = reason or _prove(new, calls[i])
+            if why is not None:
+                notes.append(f"attention mask: {name} left as published: {why}")
+                i += 1  # a wrapped call is no longer one of `calls`: the next one takes its index
+                continue
+            new = cst.ensure_type(new.deep_replace(calls[i], _wrapped(calls[i], module)), cst.FunctionDef)
+            done.append(name)
+        if new is not forward:
+            module = replace(module, forward, new)
+    if done:
+        context.sections.add("attention")
+        notes.append(
+            f"attention mask: {', '.join(done)} passes none where SDPA runs causal-only (no padding, no cache)"
+        )
+    return module
