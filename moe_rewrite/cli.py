@@ -79,9 +79,9 @@ class Reporter:
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def attention(self, result: RewriteResult) -> None:
-        """Under a file's line: each attention, loss or norm left as published and why; with -v also the classes that
-        run SDPA, the fused loss and the fused norm."""
-        for line in (*result.attention, *result.loss, *result.norm):
+        """Under a file's line: each attention, loss, norm or RoPE left as published and why; with -v also the classes
+        and functions that run SDPA, the fused loss, the fused norm and the fused RoPE."""
+        for line in (*result.attention, *result.loss, *result.norm, *result.rope):
             if " left as published: " in line:
                 self.info(f"  {line}")
             else:
@@ -275,6 +275,13 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
     "--no-fused-norm keeps the published norm everywhere.",
 )
 @click.option(
+    "--fused-rope/--no-fused-rope",
+    default=True,
+    show_default=True,
+    help="Run apply_rotary_pos_emb through one fused Triton kernel each way on CUDA (the published RoPE elsewhere); "
+    "--no-fused-rope keeps the published RoPE everywhere.",
+)
+@click.option(
     "--fuse-experts/--no-fuse-experts",
     default=True,
     show_default=True,
@@ -311,6 +318,7 @@ def command(
     sdpa,
     fused_loss,
     fused_norm,
+    fused_rope,
     fuse_experts,
     force,
     skip_unrecognised,
@@ -360,6 +368,7 @@ def command(
         sdpa=sdpa,
         fused_loss=fused_loss,
         fused_norm=fused_norm,
+        fused_rope=fused_rope,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

@@ -23,6 +23,7 @@ class RewriteOptions:
     sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/attention.py)
     fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/lm_loss.py)
     fused_norm: bool = True  # RMSNorm through the fused Triton kernels where they apply (codemods/rmsnorm.py)
+    fused_rope: bool = True  # apply_rotary_pos_emb through the fused Triton kernel where it applies (codemods/rope.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -34,7 +35,7 @@ class RewriteOptions:
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm]: the defaults are not named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope]: the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -52,6 +53,8 @@ class RewriteOptions:
             parts.append("no-fused-loss")
         if not self.fused_norm:
             parts.append("no-fused-norm")
+        if not self.fused_rope:
+            parts.append("no-fused-rope")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

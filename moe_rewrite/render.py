@@ -47,6 +47,7 @@ SECTIONS = {
     "lm_loss": "the causal-LM loss in chunks, without float32 logits over the vocabulary, in training with labels",
     "triton_cross_entropy": "the fused loss's cross-entropy rows (logsumexp, loss, gradient in place) in Triton",
     "triton_rmsnorm": "RMSNorm and its backward in Triton where they apply (CUDA); the published norm elsewhere",
+    "triton_rope": "RoPE and its backward in Triton where they apply (CUDA); the published RoPE elsewhere",
     "checkpoint_layer": "gradient_checkpointing_enable() checkpoints the decoder layers",
     "compat_cache": "Cache methods that later transformers releases removed",
     "compat_rope_scaling": "config.rope_scaling as the file expects it on transformers 5.x",

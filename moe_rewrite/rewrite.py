@@ -29,6 +29,7 @@ from moe_rewrite.codemods import (
     lm_loss,
     moe_forward,
     rmsnorm,
+    rope,
 )
 from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
@@ -44,6 +45,7 @@ CODEMODS: list[Codemod] = [
     attention_mask,
     lm_loss,
     rmsnorm,
+    rope,
     gradient_checkpointing,
     init_weights,
     moe_forward,
@@ -58,6 +60,7 @@ RESULT_READS: tuple[Field, ...] = (
     "attention",
     "loss",
     "norm",
+    "rope",
 )  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
@@ -90,6 +93,7 @@ class RewriteResult:
     attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
     loss: tuple[str, ...] = ()  # what the lm_loss codemod did, or left as published and why, a line each
     norm: tuple[str, ...] = ()  # what the rmsnorm codemod did, or left as published and why, a line each
+    rope: tuple[str, ...] = ()  # what the rope codemod did, or left as published and why, a line each
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
@@ -134,6 +138,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         attention=tuple(context.attention_lines()),
         loss=tuple(context.loss_lines()),
         norm=tuple(context.norm_lines()),
+        rope=tuple(context.rope_lines()),
     )
 
 

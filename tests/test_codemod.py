@@ -69,6 +69,7 @@ OPTION_CASES = {
     "no-sdpa": ("--no-sdpa",),
     "no-fused-loss": ("--no-fused-loss",),
     "no-fused-norm": ("--no-fused-norm",),
+    "no-fused-rope": ("--no-fused-rope",),
     "backend-loop-sequential": ("--backend", "loop", "--stacking", "sequential"),
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
@@ -87,6 +88,7 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
         "--no-sdpa": "sdpa",
         "--no-fused-loss": "fused_loss",
         "--no-fused-norm": "fused_norm",
+        "--no-fused-rope": "fused_rope",
     }
     rest = list(args)
     while rest:

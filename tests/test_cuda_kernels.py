@@ -222,3 +222,52 @@ def test_the_fused_rmsnorm_equals_the_published_module(monkeypatch, x_dtype, w_d
         assert rel(a, b) < (1e-2 if torch.bfloat16 in (x_dtype, w_dtype) else 1e-5), (name, rel(a, b))
     runtime_env(monkeypatch, "MOE_REWRITE_FUSED_NORM", "0")
     assert not triton_rmsnorm._moe_rewrite_rmsnorm_applies(x, norm.weight)
+
+
+def published_rope(q, k, cos, sin, position_ids):
+    """The published apply_rotary_pos_emb (unsqueeze_dim 1) with its rotate_half, written out."""
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+    q = q.view(*q.shape[:3], -1, 2).transpose(4, 3).reshape(q.shape)
+    k = k.view(*k.shape[:3], -1, 2).transpose(4, 3).reshape(k.shape)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_fused_rope_equals_the_published_function_bit_for_bit(monkeypatch, dtype):
+    """The fused RoPE against the published function at Moonlight's sizes, q_pe and k_pe cut from MLA's projections
+    as the attention forward cuts them (16 heads of 192 lanes, the last 64 rotated; k_pe one head of the compressed
+    kv's last 64 lanes), a yarn-like table in the activations' dtype: outputs and the gradients of q_pe and k_pe bit
+    for bit (the kernel rounds each product and sum as published and as autograd does), with position_ids of batch 1
+    and per batch row (offsets). MOE_REWRITE_FUSED_ROPE=0 turns it off."""
+    from moe_rewrite.runtime import triton_rope
+
+    dtype = getattr(torch, dtype)
+    torch.manual_seed(0)
+    batch, seq, heads, rows = 2, 4096, 16, 8192
+    q = torch.randn(batch, seq, heads * 192, device="cuda").to(dtype).view(batch, seq, heads, 192).transpose(1, 2)
+    q_pe = q[..., 128:]
+    compressed = torch.randn(batch, seq, 512 + 64, device="cuda").to(dtype)
+    k_pe = compressed[..., 512:].view(batch, seq, 1, 64).transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    angles = torch.outer(torch.arange(rows, device="cuda").float(), inv_freq)
+    angles = torch.cat((angles, angles * 1.5), dim=-1)  # halves that differ, as no published table has them
+    cos, sin = (1.2 * angles.cos()).to(dtype), (1.2 * angles.sin()).to(dtype)
+    probes = torch.randn_like(q_pe, dtype=torch.float32), torch.randn_like(k_pe, dtype=torch.float32)
+    offsets = torch.arange(seq, device="cuda") + torch.tensor([[0], [3000]], device="cuda")
+    for position_ids in (torch.arange(seq, device="cuda").unsqueeze(0), offsets):
+        assert triton_rope._moe_rewrite_rope_applies(q_pe, k_pe, cos, sin, position_ids, 1)
+        runs = []
+        for rope in (triton_rope._moe_rewrite_rope, published_rope):
+            leaves = [q_pe.detach().requires_grad_(True), k_pe.detach().requires_grad_(True)]
+            out = rope(*leaves, cos, sin, position_ids)
+            torch.autograd.backward(out, [p.to(dtype) for p in probes])
+            runs.append([*out, *(leaf.grad for leaf in leaves)])
+        for name, got, want in zip(["q", "k", "q grad", "k grad"], *runs):
+            assert got.dtype == want.dtype == dtype and got.shape == want.shape, name
+            assert torch.equal(got, want), (name, (got.float() - want.float()).abs().max().item())
+    runtime_env(monkeypatch, "MOE_REWRITE_FUSED_ROPE", "0")
+    assert not triton_rope._moe_rewrite_rope_applies(q_pe, k_pe, cos, sin, offsets, 1)

@@ -26,6 +26,7 @@ from moe_rewrite.runtime import (  # noqa: E402
     triton_gather,
     triton_gemm,
     triton_rmsnorm,
+    triton_rope,
     triton_route,
     triton_sum_rows,
     triton_swiglu,
@@ -645,3 +646,42 @@ def test_rmsnorm_and_its_backward_equal_float64(width):
             assert torch.allclose(leaves[1].grad.double(), want_grads[1], rtol=1e-5, atol=1e-4)
         else:
             assert leaves[1].grad is None
+
+
+def published_rope(q, k, cos, sin, position_ids, interleaved=True):
+    """The published apply_rotary_pos_emb (unsqueeze_dim 1) with its rotate_half, written out; without the
+    de-interleave for `interleaved=False`."""
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+    if interleaved:
+        q = q.view(*q.shape[:3], -1, 2).transpose(4, 3).reshape(q.shape)
+        k = k.view(*k.shape[:3], -1, 2).transpose(4, 3).reshape(k.shape)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("dim,interleaved", [(8, True), (64, True), (8, False)])
+def test_rope_and_its_backward_equal_float64(dim, interleaved):
+    """The fused RoPE (fp32) against the published function in float64, outputs and the gradients of q and k: q with
+    3 heads in MLA's strides (a slice of wider rows, heads and positions swapped), k with one head; position_ids of
+    batch 1 (broadcast) and per batch row (offsets, a negative index counting from the table's end); more positions
+    than one program takes; a table whose two halves differ."""
+    batch, seq, rows = 2, triton_rope.MOE_REWRITE_ROPE_POSITIONS + 3, 40
+    q = torch.randn(batch, seq, 3, dim + 6, device=DEVICE)[..., :dim].transpose(1, 2)
+    k = torch.randn(batch, 1, seq, dim, device=DEVICE)
+    cos, sin = torch.randn(rows, dim, device=DEVICE), torch.randn(rows, dim, device=DEVICE)
+    grads = torch.randn(batch, 3, seq, dim, device=DEVICE), torch.randn(batch, 1, seq, dim, device=DEVICE)
+    offsets = torch.arange(seq, device=DEVICE) + torch.tensor([[2], [20]], device=DEVICE)
+    offsets[1, -1] = -1
+    for position_ids in (torch.arange(seq, device=DEVICE).unsqueeze(0), offsets):
+        exact = [q.double().requires_grad_(True), k.double().requires_grad_(True)]
+        want = published_rope(*exact, cos.double(), sin.double(), position_ids, interleaved)
+        want_grads = torch.autograd.grad(want, exact, [g.double() for g in grads])
+        leaves = [q.clone().requires_grad_(True), k.clone().requires_grad_(True)]
+        got = triton_rope._moe_rewrite_rope(*leaves, cos, sin, position_ids, interleaved)
+        torch.autograd.backward(got, grads)
+        for a, b in zip([*got, *(leaf.grad for leaf in leaves)], [*want, *want_grads]):
+            assert a.dtype == torch.float32 and a.shape == b.shape
+            assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,8 @@ class CompatChanges:
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
-Field = Literal["moe", "compat", "attention", "loss", "norm"]  # the Context fields one codemod fills for the later ones
+# the Context fields one codemod fills for the later ones
+Field = Literal["moe", "compat", "attention", "loss", "norm", "rope"]
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Context:
     loss: list[str] | None = None  # filled by lm_loss: its summary lines
     norm: list[str] | None = None  # filled by rmsnorm: its summary lines
     sdpa_classes: list[str] = field(default_factory=list)  # filled by attention: the classes "sdpa" selects (rewritten)
+    rope: list[str] | None = None  # filled by rope: its summary lines
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 
@@ -112,6 +114,11 @@ class Context:
         if self.norm is None:
             raise InternalError("the norm lines were read before the rmsnorm codemod ran")
         return self.norm
+
+    def rope_lines(self) -> list[str]:
+        if self.rope is None:
+            raise InternalError("the rope lines were read before the rope codemod ran")
+        return self.rope
 
     def compat_changes(self) -> CompatChanges:
         if self.compat is None:

@@ -1,0 +1,244 @@
+"""Run RoPE through one fused Triton kernel each way where it applies (on by default; --no-fused-rope).
+
+The published `apply_rotary_pos_emb` (every DeepSeek V2/V3 copy, VL2's language model) gathers the table rows of
+position_ids, copies q and k into rotate_half's lane order (view, transpose, reshape: even lanes, then odd) and
+rotates them in four more passes. Where the module-level `rotate_half` and `apply_rotary_pos_emb` are exactly the
+published ones (proven statement by statement on the syntax tree, up to names of locals, formatting and comments), the
+function first asks whether the fused rotation applies (CUDA, Triton; runtime/triton_rope.py) and returns it; the
+published body stays below it and runs everywhere else (the CPU, torch.compile, MOE_REWRITE_FUSED_ROPE=0)::
+
+    # Before
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=1):
+        cos = cos[position_ids].unsqueeze(unsqueeze_dim)
+        ...
+    # After
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=1):
+        # moe-rewrite: the fused RoPE where it applies (CUDA, Triton); the published rotation otherwise
+        if _moe_rewrite_rope_applies(q, k, cos, sin, position_ids, unsqueeze_dim):
+            return _moe_rewrite_rope(q, k, cos, sin, position_ids)
+        cos = cos[position_ids].unsqueeze(unsqueeze_dim)
+        ...  # the published body, untouched
+
+The same function without the view/transpose lines (lanes already in rotate_half's order, as Llama's) gets the
+branch with `interleaved=False`. A function that differs in any other way is left as published, and the summary says
+so; the file is still rewritten. Every run first takes back what an earlier one added, so --no-fused-rope gives the
+published function back and a second run changes nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import libcst as cst
+
+from moe_rewrite.codemods import MARK, Context, Field, replace
+
+READS: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ("rope",)
+
+NOTE = f"{MARK}: the fused RoPE where it applies (CUDA, Triton); the published rotation otherwise"
+OUR_CALL = "_moe_rewrite_rope"
+BRANCH = (
+    "if _moe_rewrite_rope_applies({q}, {k}, {cos}, {sin}, {position_ids}, {unsqueeze_dim}):\n"
+    "    return _moe_rewrite_rope({q}, {k}, {cos}, {sin}, {position_ids}{flag})\n"
+)
+ROTATE = "rotate_half"
+APPLY = "apply_rotary_pos_emb"
+PARAMS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
+
+# rotate_half(x): the published spelling, then the stand-in fixtures' (one local for the half)
+ROTATE_TEMPLATES = [
+    [
+        "x1 = x[..., : x.shape[-1] // 2]",
+        "x2 = x[..., x.shape[-1] // 2 :]",
+        "return torch.cat((-x2, x1), dim=-1)",
+    ],
+    [
+        "half = x.shape[-1] // 2",
+        "return torch.cat((-x[..., half:], x[..., :half]), dim=-1)",
+    ],
+]
+# apply_rotary_pos_emb's body; the de-interleave (lines 2 to 5) is absent from the not-interleaved form
+TABLES = [
+    "cos = cos[position_ids].unsqueeze(unsqueeze_dim)",
+    "sin = sin[position_ids].unsqueeze(unsqueeze_dim)",
+]
+DEINTERLEAVE = [
+    "b, h, s, d = q.shape",
+    "q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)",
+    "b, h, s, d = k.shape",
+    "k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)",
+]
+ROTATION = [
+    "q_embed = (q * cos) + (rotate_half(q) * sin)",
+    "k_embed = (k * cos) + (rotate_half(k) * sin)",
+    "return q_embed, k_embed",
+]
+APPLY_TEMPLATES = {True: TABLES + DEINTERLEAVE + ROTATION, False: TABLES + ROTATION}  # interleaved -> body
+
+
+def _canonical(body: list[ast.stmt], params: list[str]) -> list[str]:
+    """Each statement's syntax tree with the parameters named P0, P1, ... in order and the other locals L0, L1, ...
+    in order of first use: two bodies that differ only in names of locals give the same list."""
+    stored = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names = {p: f"P{i}" for i, p in enumerate(params)}
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            if node.id in stored or node.id in names:
+                names.setdefault(node.id, f"L{len(names) - len(params)}")
+                return ast.Name(id=names[node.id], ctx=node.ctx)
+            return node
+
+    return [ast.dump(Rename().visit(s)) for s in body]
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _first_line(node: cst.CSTNode) -> str:
+    """A statement's first line of code (not its comments), ` ...` after it where there are more."""
+    lines = [line.strip() for line in _code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+
+
+def _params(fn: cst.FunctionDef, count: int) -> list[str] | None:
+    """The names of `count` plain positional parameters, where the function takes those alone (the last one of
+    apply_rotary_pos_emb with the published default, 1)."""
+    params = fn.params
+    if params.posonly_params or params.kwonly_params or params.star_kwarg is not None:
+        return None
+    if params.star_arg != cst.MaybeSentinel.DEFAULT or len(params.params) != count:
+        return None
+    defaults = [p.default for p in params.params]
+    if count == len(PARAMS):
+        last = defaults.pop()
+        if not (isinstance(last, cst.Integer) and last.value == "1"):
+            return None
+    if any(d is not None for d in defaults):
+        return None
+    return [p.name.value for p in params.params]
+
+
+def _statements(fn: cst.FunctionDef) -> list[cst.BaseStatement] | None:
+    """The body's statements after a docstring, None where the body is on the `def` line."""
+    if not isinstance(fn.body, cst.IndentedBlock):
+        return None
+    return list(fn.body.body)[1 if fn.get_docstring() is not None else 0 :]
+
+
+def _differs(fn: cst.FunctionDef, templates: list[list[str]], params: list[str], what: str) -> str | None:
+    """Why the function's body is none of the templates (written in `params`' names), or None where it is one."""
+    statements = _statements(fn)
+    if statements is None:
+        return "its body is on the `def` line"
+    got = _canonical([ast.parse(_code(s)).body[0] for s in statements], [p.name.value for p in fn.params.params])
+    best = None
+    for template in templates:
+        want = _canonical([ast.parse(line).body[0] for line in template], params)
+        if got == want:
+            return None
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if best is None or same > best[0]:
+            best = (same, template)
+    same, template = best  # type: ignore[misc]
+    found = f"`{_first_line(statements[same])}`" if same < len(statements) else "the end of the function"
+    published = f"`{template[same]}`" if same < len(template) else "nothing more"
+    return f"{found} where the published {what} has {published}"
+
+
+def _functions(module: cst.Module, name: str) -> list[cst.FunctionDef]:
+    return [s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value == name]
+
+
+def _rebound(module: cst.Module, name: str) -> bool:
+    """Whether a module-level statement other than its one `def` binds `name` (an assignment, an import)."""
+    for stmt in ast.parse(module.code).body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == name:
+                return True
+            if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+                return True
+    return False
+
+
+def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None, str | None]:
+    """(apply_rotary_pos_emb, whether it de-interleaves, why it is not the published RoPE or None)."""
+    applies, rotates = _functions(module, APPLY), _functions(module, ROTATE)
+    if len(applies) != 1:
+        return None, None, f"{len(applies)} module-level definitions of {APPLY}" if applies else None
+    fn = applies[0]
+    if len(rotates) != 1:
+        return fn, None, f"{len(rotates)} module-level definitions of {ROTATE}"
+    if any(_rebound(module, name) for name in (APPLY, ROTATE)):
+        return fn, None, f"{APPLY} or {ROTATE} is also bound by another module-level statement"
+    if _params(rotates[0], 1) is None:
+        return fn, None, f"{ROTATE} does not take `(x)` alone"
+    reason = _differs(rotates[0], ROTATE_TEMPLATES, ["x"], ROTATE)
+    if reason is not None:
+        return fn, None, f"{ROTATE}: {reason}"
+    if _params(fn, len(PARAMS)) is None:
+        return fn, None, "it does not take `(q, k, cos, sin, position_ids, unsqueeze_dim=1)` alone"
+    order = [True, False]
+    reasons = [_differs(fn, [APPLY_TEMPLATES[i]], list(PARAMS), APPLY) for i in order]
+    for interleaved, reason in zip(order, reasons):
+        if reason is None:
+            return fn, interleaved, None
+    return fn, None, reasons[0]
+
+
+def _is_our_branch(stmt: cst.CSTNode) -> bool:
+    return (
+        isinstance(stmt, cst.If)
+        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
+        and OUR_CALL in _code(stmt.body)
+    )
+
+
+def _branched(fn: cst.FunctionDef, interleaved: bool, module: cst.Module) -> cst.FunctionDef:
+    """The function with the fused rotation's branch as its first statement (after a docstring)."""
+    body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
+    names = dict(zip(PARAMS, (p.name.value for p in fn.params.params)))
+    text = BRANCH.format(**names, flag="" if interleaved else ", interleaved=False")
+    text = text.replace("\n", module.default_newline)
+    branch = cst.ensure_type(cst.parse_statement(text, config=module.config_for_parsing), cst.If)
+    at = 1 if fn.get_docstring() is not None else 0
+    # the first statement's comments stay above it: the marker goes above the branch, so undo restores them as they were
+    body.insert(at, branch.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(NOTE))]))
+    return fn.with_changes(body=fn.body.with_changes(body=body))
+
+
+def undo(module: cst.Module) -> cst.Module:
+    """The module without the branches an earlier run put into module-level functions."""
+    for fn in [s for s in module.body if isinstance(s, cst.FunctionDef)]:
+        if not isinstance(fn.body, cst.IndentedBlock):
+            continue
+        kept = [s for s in fn.body.body if not _is_our_branch(s)]
+        if len(kept) != len(fn.body.body):
+            module = replace(module, fn, fn.with_changes(body=fn.body.with_changes(body=kept)))
+    return module
+
+
+def transform(module: cst.Module, context: Context) -> cst.Module:
+    """The module with a proven apply_rotary_pos_emb branching to the fused rotation (with --fused-rope, the default);
+    what was done or left, and why, in context.rope."""
+    module = undo(module)
+    notes = context.rope = []
+    if not context.options.fused_rope:
+        return module
+    fn, interleaved, reason = _find_rope(module)
+    if fn is None:
+        if reason is not None:
+            notes.append(f"rope: {APPLY} left as published: {reason}")
+        return module
+    if interleaved is None:
+        notes.append(f"rope: {APPLY} left as published: {reason}")
+        return module
+    module = replace(module, fn, _branched(fn, interleaved, module))
+    context.sections.add("triton_rope")
+    layout = "" if interleaved else ", lanes not interleaved"
+    notes.append(f"rope: fused {APPLY}{layout} (Triton on CUDA; the published rotation elsewhere)")
+    return module
