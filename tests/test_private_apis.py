@@ -42,6 +42,8 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         "_hf_hook",
         "_forward_hooks",
         "_forward_pre_hooks",
+        "_backward_pre_hooks",
+        "_attn_implementation",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -96,6 +98,29 @@ def test_module_hook_dicts_show_registered_forward_hooks():
     module.register_forward_hook(lambda mod, args, out: out)
     module.register_forward_pre_hook(lambda mod, args: None)
     assert len(module._forward_hooks) == 1 and len(module._forward_pre_hooks) == 1
+
+
+def test_module_hook_dicts_show_registered_backward_hooks():
+    """lm_loss.py: an lm_head with a backward hook (full or pre) would not see the fused loss's gradient, which skips
+    lm_head's module call, so the published loss runs; the hooks show in these two dicts, empty until registered."""
+    module = torch.nn.Linear(2, 2)
+    assert not module._backward_hooks and not module._backward_pre_hooks
+    module.register_full_backward_hook(lambda mod, grad_in, grad_out: None)
+    module.register_full_backward_pre_hook(lambda mod, grad_out: None)
+    assert len(module._backward_hooks) == 1 and len(module._backward_pre_hooks) == 1
+
+
+def test_the_config_names_the_attention_implementation_in_attn_implementation():
+    """attention.py: the Model's mask is left out only where the config asks for "sdpa"; transformers keeps the choice
+    (from_config's attn_implementation, the class default) in config._attn_implementation on every supported release."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    )
+    for implementation in ("eager", "sdpa"):
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation)
+        assert model.config._attn_implementation == implementation
 
 
 def test_foreach_add_adds_in_place():

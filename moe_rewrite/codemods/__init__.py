@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Literal, Protocol, TypeVar
 
 import libcst as cst
+import libcst.matchers as m
 
 from moe_rewrite.codemods.index import Index
 from moe_rewrite.errors import InternalError, RewriteError
@@ -143,6 +144,54 @@ class Codemod(Protocol):
     PROVIDES: tuple[Field, ...]  # Context fields it fills
 
     def transform(self, module: cst.Module, context: Context) -> cst.Module: ...
+
+
+def code(node: cst.CSTNode) -> str:
+    """A node's source text (a statement's with its leading comment lines)."""
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def first_line(node: cst.CSTNode) -> str:
+    """A statement's first line of code (its comments skipped), ` ...` after it where more follow."""
+    lines = [line.strip() for line in code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+
+
+def is_marked_branch(stmt: cst.CSTNode, note: str, call: str) -> bool:
+    """Whether `stmt` is a branch an earlier run put in: an `if` under the `note` comment whose body calls `call`."""
+    return (
+        isinstance(stmt, cst.If)
+        and any(line.comment is not None and line.comment.value == note for line in stmt.leading_lines)
+        and bool(m.findall(stmt.body, m.Call(func=m.Name(call))))
+    )
+
+
+def unbranched(function: cst.FunctionDef, note: str, call: str) -> cst.FunctionDef:
+    """`function` with each marked branch taken back: a first-statement branch (no else) removed, an if/else branch
+    replaced by the published statements kept in its else (their first one gets the branch's other comments back)."""
+    if not isinstance(function.body, cst.IndentedBlock):
+        return function
+    statements = function.body.body
+    if not any(is_marked_branch(s, note, call) for s in statements):
+        return function
+    body: list[cst.BaseStatement] = []
+    for stmt in statements:
+        if not is_marked_branch(stmt, note, call):
+            body.append(stmt)
+            continue
+        branch = cst.ensure_type(stmt, cst.If)
+        if not isinstance(branch.orelse, cst.Else):
+            continue
+        published = list(cst.ensure_type(branch.orelse.body, cst.IndentedBlock).body)
+        lines = [line for line in branch.leading_lines if not (line.comment and line.comment.value == note)]
+        body += [published[0].with_changes(leading_lines=lines), *published[1:]]
+    return function.with_changes(body=function.body.with_changes(body=body))
+
+
+def single_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    """The class's method `name` where it defines exactly one (none, or a second definition: None)."""
+    found = [s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name]
+    return found[0] if len(found) == 1 else None
 
 
 def one_line(node: cst.CSTNode) -> str:

@@ -55,7 +55,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, is_marked, replace
+from moe_rewrite.codemods import MARK, Context, Field, code, first_line, is_marked, replace, single_method, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("attention",)
@@ -222,19 +222,10 @@ class _Core:
         self.start, self.end, self.bound = start, end, bound
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
-def _first_line(node: cst.CSTNode) -> str:
-    lines = [line.strip() for line in _code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
-    return lines[0] if lines else ""
-
-
 def _find_core(forward: cst.FunctionDef) -> _Core | str:
     """The forward's published core, or why there is none (one line)."""
     body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
-    trees = [ast.parse(_code(stmt)).body[0] for stmt in body]
+    trees = [ast.parse(code(stmt)).body[0] for stmt in body]
     matmul = [i for i, t in enumerate(trees) if _has_score_matmul(t)]
     if not matmul:
         return "no statement computes the scores as `torch.matmul(Q, K.transpose(2, 3))` at the top of its forward"
@@ -245,7 +236,7 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
     start, i = i, i + 1
     if "SCALE" not in bound:
         if i >= len(trees) or not _matches("scaled", trees[i], bound):
-            return f"the scores `{_first_line(body[start])}` are not scaled by the next statement"
+            return f"the scores `{first_line(body[start])}` are not scaled by the next statement"
         i += 1
     if not _scalar(bound["SCALE"], bound):  # type: ignore[arg-type]
         return f"the scale `{ast.unparse(bound['SCALE'])}` is not a number SDPA can take"  # type: ignore[arg-type]
@@ -255,7 +246,7 @@ def _find_core(forward: cst.FunctionDef) -> _Core | str:
         if i < len(trees) and _matches(name, trees[i], bound):
             i += 1
             return None
-        found = f"`{_first_line(body[i])}`" if i < len(body) else "the end of forward"
+        found = f"`{first_line(body[i])}`" if i < len(body) else "the end of forward"
         return f"{found} where the published core has {what}"
 
     def optional_check(name: str) -> None:
@@ -366,36 +357,6 @@ def _branch(forward: cst.FunctionDef, core: _Core, module: cst.Module) -> cst.Fu
     return forward.with_changes(body=forward.body.with_changes(body=body))
 
 
-def _is_our_branch(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.If)
-        and isinstance(stmt.orelse, cst.Else)
-        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
-        and bool(m.findall(stmt.body, m.Call(func=m.Name(OUR_CALL))))
-    )
-
-
-def _unbranched(forward: cst.FunctionDef) -> cst.FunctionDef:
-    """The forward with an earlier run's branch taken back: the published core where the branch was."""
-    if not isinstance(forward.body, cst.IndentedBlock) or not any(_is_our_branch(s) for s in forward.body.body):
-        return forward
-    body: list[cst.BaseStatement] = []
-    for stmt in forward.body.body:
-        if not _is_our_branch(stmt):
-            body.append(stmt)
-            continue
-        branch = cst.ensure_type(stmt, cst.If)
-        core = list(cst.ensure_type(cst.ensure_type(branch.orelse, cst.Else).body, cst.IndentedBlock).body)
-        lines = [line for line in branch.leading_lines if not (line.comment and line.comment.value == NOTE)]
-        body += [core[0].with_changes(leading_lines=lines), *core[1:]]
-    return forward.with_changes(body=forward.body.with_changes(body=body))
-
-
-def _forward(cls: cst.ClassDef) -> cst.FunctionDef | None:
-    found = [s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "forward"]
-    return found[0] if len(found) == 1 else None
-
-
 def undo(module: cst.Module) -> cst.Module:
     """The module without what an earlier run added: the branches, the "sdpa" entries, `_supports_sdpa`."""
     body: list[cst.BaseStatement] = []
@@ -404,7 +365,7 @@ def undo(module: cst.Module) -> cst.Module:
             continue
         if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
             members = [
-                _unbranched(s) if isinstance(s, cst.FunctionDef) and s.name.value == "forward" else s
+                unbranched(s, NOTE, OUR_CALL) if isinstance(s, cst.FunctionDef) and s.name.value == "forward" else s
                 for s in stmt.body.body
                 if not (m.matches(s, SUPPORTS_SDPA) and is_marked(s))
             ]
@@ -468,7 +429,7 @@ def _other_choice(module: cst.Module, context: Context, dicts: set[str]) -> str 
     for stmt in module.body:
         if "_attn_implementation" not in context.index.facts(stmt).attributes:
             continue
-        tree = ast.parse(_code(stmt))
+        tree = ast.parse(code(stmt))
         fine = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in dicts:
@@ -493,7 +454,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
     proven = []
     for name, cls in classes.items():
-        forward = _forward(cls)
+        forward = single_method(cls, "forward")
         if forward is None or not {"matmul", "softmax"} <= context.index.facts(forward).attributes:
             continue
         core = _find_core(forward)

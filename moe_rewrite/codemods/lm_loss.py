@@ -35,9 +35,8 @@ from __future__ import annotations
 import ast
 
 import libcst as cst
-import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, replace
+from moe_rewrite.codemods import MARK, Context, Field, code, replace, single_method, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("loss",)
@@ -106,17 +105,13 @@ def _unify(template: object, node: object, bound: dict[str, str]) -> None:
         raise _NoMatch
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
 def _loss_class_imported(module: cst.Module) -> bool:
     """`from torch.nn import CrossEntropyLoss` at the top of the file (the published import)."""
     for stmt in module.body:
         for small in getattr(stmt, "body", ()) if isinstance(stmt, cst.SimpleStatementLine) else ():
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                if small.module is not None and _code(small.module) == "torch.nn":
-                    if any(a.asname is None and _code(a.name) == "CrossEntropyLoss" for a in small.names):
+                if small.module is not None and code(small.module) == "torch.nn":
+                    if any(a.asname is None and code(a.name) == "CrossEntropyLoss" for a in small.names):
                         return True
     return False
 
@@ -129,7 +124,7 @@ class _Region:
 def _find_region(forward: cst.FunctionDef, module: cst.Module) -> _Region | str:
     """Where the forward's published loss starts (four statements), or why there is none (one line)."""
     body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
-    trees = [ast.parse(_code(stmt)).body[0] for stmt in body]
+    trees = [ast.parse(code(stmt)).body[0] for stmt in body]
     starts = [i for i, t in enumerate(trees) if "self.lm_head(" in ast.unparse(t)]
     if len(starts) != 1:
         return "its forward does not call `self.lm_head(...)` in exactly one statement"
@@ -190,43 +185,13 @@ def _branch(forward: cst.FunctionDef, region: _Region, module: cst.Module) -> cs
     return forward.with_changes(body=forward.body.with_changes(body=body))
 
 
-def _is_our_branch(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.If)
-        and isinstance(stmt.orelse, cst.Else)
-        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
-        and bool(m.findall(stmt.body, m.Call(func=m.Name(OUR_CALL))))
-    )
-
-
-def _unbranched(forward: cst.FunctionDef) -> cst.FunctionDef:
-    """The forward with an earlier run's branch taken back: the published statements where it was."""
-    if not isinstance(forward.body, cst.IndentedBlock) or not any(_is_our_branch(s) for s in forward.body.body):
-        return forward
-    body: list[cst.BaseStatement] = []
-    for stmt in forward.body.body:
-        if not _is_our_branch(stmt):
-            body.append(stmt)
-            continue
-        branch = cst.ensure_type(stmt, cst.If)
-        published = list(cst.ensure_type(cst.ensure_type(branch.orelse, cst.Else).body, cst.IndentedBlock).body)
-        lines = [line for line in branch.leading_lines if not (line.comment and line.comment.value == NOTE)]
-        body += [published[0].with_changes(leading_lines=lines), *published[1:]]
-    return forward.with_changes(body=forward.body.with_changes(body=body))
-
-
-def _forward(cls: cst.ClassDef) -> cst.FunctionDef | None:
-    found = [s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "forward"]
-    return found[0] if len(found) == 1 else None
-
-
 def undo(module: cst.Module) -> cst.Module:
     """The module without an earlier run's branches."""
     for stmt in module.body:
         if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
-            forward = _forward(stmt)
+            forward = single_method(stmt, "forward")
             if forward is not None:
-                plain = _unbranched(forward)
+                plain = unbranched(forward, NOTE, OUR_CALL)
                 if plain is not forward:
                     module = replace(module, forward, plain)
     return module
@@ -241,7 +206,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         return module
     rewritten = []
     for cls in [s for s in module.body if isinstance(s, cst.ClassDef) and s.name.value.endswith("ForCausalLM")]:
-        forward = _forward(cls)
+        forward = single_method(cls, "forward")
         if forward is None:
             continue
         region = _find_region(forward, module)

@@ -33,7 +33,7 @@ import itertools
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, replace
+from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, first_line, is_marked_branch, replace
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("norm",)
@@ -88,16 +88,6 @@ def _canonical(body: list[ast.stmt], param: str) -> list[str]:
     return [ast.dump(Rename().visit(s)) for s in body]
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
-def _first_line(node: cst.CSTNode) -> str:
-    """A statement's first line of code (not its comments), ` ...` after it where there are more."""
-    lines = [line.strip() for line in _code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
-
-
 def _has_docstring(fn: cst.FunctionDef) -> bool:
     return fn.get_docstring() is not None
 
@@ -121,7 +111,7 @@ def _find_norm(cls: cst.ClassDef, forward: cst.FunctionDef) -> str | None:
     if not isinstance(forward.body, cst.IndentedBlock):
         return "its forward's body is on the `def` line"
     statements = list(forward.body.body)[1 if _has_docstring(forward) else 0 :]
-    trees = [ast.parse(_code(s)).body[0] for s in statements]
+    trees = [ast.parse(code(s)).body[0] for s in statements]
     got = _canonical(trees, x)
     best = None
     for template in TEMPLATES:
@@ -133,7 +123,7 @@ def _find_norm(cls: cst.ClassDef, forward: cst.FunctionDef) -> str | None:
             best = (same, template)
     same, template = best  # type: ignore[misc]
     if same < len(statements):
-        found = f"`{_first_line(statements[same])}`"
+        found = f"`{first_line(statements[same])}`"
     else:
         found = "the end of forward"
     published = f"`{template[same]}`" if same < len(template) else "nothing more"
@@ -144,7 +134,7 @@ def _assigned(node: cst.CSTNode, attr: str) -> list[ast.AST]:
     """Every assignment to `self.<attr>` in `node` (plain, augmented, annotated, one of several targets): the value of
     a plain one-target assignment, the statement itself otherwise."""
     found: list[ast.AST] = []
-    for n in ast.walk(ast.parse(_code(node))):
+    for n in ast.walk(ast.parse(code(node))):
         if isinstance(n, ast.Assign):
             targets = n.targets
         elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
@@ -187,14 +177,6 @@ def _check_init(cls: cst.ClassDef) -> str | None:
     return None
 
 
-def _is_our_branch(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.If)
-        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
-        and OUR_CALL in _code(stmt.body)
-    )
-
-
 def _branched(forward: cst.FunctionDef, x: str, module: cst.Module) -> cst.FunctionDef:
     """The forward with the fused norm's branch as its first statement (after a docstring)."""
     body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
@@ -212,7 +194,7 @@ def undo(module: cst.Module) -> cst.Module:
         forward = class_methods(cls).get("forward")
         if forward is None or not isinstance(forward.body, cst.IndentedBlock):
             continue
-        kept = [s for s in forward.body.body if not _is_our_branch(s)]
+        kept = [s for s in forward.body.body if not is_marked_branch(s, NOTE, OUR_CALL)]
         if len(kept) != len(forward.body.body):
             module = replace(module, forward, forward.with_changes(body=forward.body.with_changes(body=kept)))
     return module

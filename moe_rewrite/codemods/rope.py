@@ -31,7 +31,7 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, replace
+from moe_rewrite.codemods import MARK, Context, Field, code, first_line, is_marked_branch, replace
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("rope",)
@@ -93,16 +93,6 @@ def _canonical(body: list[ast.stmt], params: list[str]) -> list[str]:
     return [ast.dump(Rename().visit(s)) for s in body]
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
-def _first_line(node: cst.CSTNode) -> str:
-    """A statement's first line of code (not its comments), ` ...` after it where there are more."""
-    lines = [line.strip() for line in _code(node).splitlines() if line.strip() and not line.strip().startswith("#")]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
-
-
 def _params(fn: cst.FunctionDef, count: int) -> list[str] | None:
     """The names of `count` plain positional parameters, where the function takes those alone (the last one of
     apply_rotary_pos_emb with the published default, 1)."""
@@ -133,7 +123,7 @@ def _differs(fn: cst.FunctionDef, templates: list[list[str]], params: list[str],
     statements = _statements(fn)
     if statements is None:
         return "its body is on the `def` line"
-    got = _canonical([ast.parse(_code(s)).body[0] for s in statements], [p.name.value for p in fn.params.params])
+    got = _canonical([ast.parse(code(s)).body[0] for s in statements], [p.name.value for p in fn.params.params])
     best = None
     for template in templates:
         want = _canonical([ast.parse(line).body[0] for line in template], params)
@@ -143,7 +133,7 @@ def _differs(fn: cst.FunctionDef, templates: list[list[str]], params: list[str],
         if best is None or same > best[0]:
             best = (same, template)
     same, template = best  # type: ignore[misc]
-    found = f"`{_first_line(statements[same])}`" if same < len(statements) else "the end of the function"
+    found = f"`{first_line(statements[same])}`" if same < len(statements) else "the end of the function"
     published = f"`{template[same]}`" if same < len(template) else "nothing more"
     return f"{found} where the published {what} has {published}"
 
@@ -190,14 +180,6 @@ def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None,
     return fn, None, reasons[0]
 
 
-def _is_our_branch(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.If)
-        and any(line.comment is not None and line.comment.value == NOTE for line in stmt.leading_lines)
-        and OUR_CALL in _code(stmt.body)
-    )
-
-
 def _branched(fn: cst.FunctionDef, interleaved: bool, module: cst.Module) -> cst.FunctionDef:
     """The function with the fused rotation's branch as its first statement (after a docstring)."""
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
@@ -216,7 +198,7 @@ def undo(module: cst.Module) -> cst.Module:
     for fn in [s for s in module.body if isinstance(s, cst.FunctionDef)]:
         if not isinstance(fn.body, cst.IndentedBlock):
             continue
-        kept = [s for s in fn.body.body if not _is_our_branch(s)]
+        kept = [s for s in fn.body.body if not is_marked_branch(s, NOTE, OUR_CALL)]
         if len(kept) != len(fn.body.body):
             module = replace(module, fn, fn.with_changes(body=fn.body.with_changes(body=kept)))
     return module
