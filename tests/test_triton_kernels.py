@@ -502,6 +502,9 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     projection (the composed path and its combine node) and on both, of a rank whose rows suit torch._grouped_mm (8)
     or not (5: the adapters' GEMMs run the sorted per-expert pass)."""
     device, kernels = kernels
+    if device == "cpu":  # one block per row and one route pass (the fixture's small blocks cost minutes here)
+        patch_runtime(monkeypatch, "MOE_REWRITE_TRITON_BLOCK", 64)
+        patch_runtime(monkeypatch, "MOE_REWRITE_ROUTE_BLOCK", 1024)
     calls = []  # per step the core asks for the rows' kernels, then for x's (the second call), then the output node
 
     def triton(device, dtype):
