@@ -14,22 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import FIXTURES, build_model, per_expert_grads, run_cli  # noqa: E402
-from helpers import eval_branch_with_grads  # noqa: E402
+from helpers import SigmoidCopied, eval_branch_with_grads  # noqa: E402
 
 KIMI = FIXTURES / "kimi"
 KIMI_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down as the expert's forward uses them
 ATOL = 1e-5  # fp32, the same sums in another order
-
-
-class _SigmoidCopied(torch.overrides.TorchFunctionMode):
-    """The published router adds the bias in place to a view of the sigmoid's output, which autograd keeps for its
-    backward: the reference copies that output first (the same values), so the published eval path can run backward."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func in (torch.Tensor.sigmoid, torch.sigmoid):
-            result = result.clone()
-        return result
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +80,7 @@ def test_training_step_equals_the_published_eval_path_with_gradients(kimi_out, t
     loss, grads = _step(rewritten.train(), ids, mask, labels, KIMI_PROJECTIONS)
     published.train()
     eval_branch_with_grads(published)
-    with _SigmoidCopied():
+    with SigmoidCopied():
         own_loss, own_grads = _step(published, ids, mask, labels)
     assert abs(loss - own_loss) <= ATOL
     experts = "model.layers.1.block_sparse_moe.experts"

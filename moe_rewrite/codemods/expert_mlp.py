@@ -1,6 +1,8 @@
 """Prove the expert MLP: the grouped GEMMs compute every routed expert as `down(act_fn(gate(x)) * up(x))` from the
 three projections' weights and the first expert's `act_fn`, so the file's expert class must compute exactly that, or
-the file is refused naming the difference. A check only: nothing is changed.
+the file is refused naming the difference. Nothing is changed in the file; the projections' names are read from the
+forward's use, not their names (Kimi's `w2(act_fn(w1(x)) * w3(x))`: w1 gate, w3 up, w2 down) and passed on to the
+generated code (Context.projections, MOE_REWRITE_PROJECTIONS), so that checkpoint keys and PEFT see the file's names.
 
 The class X of the routed experts comes from the MoE class's `__init__` (and its in-file subclasses'): every
 `self.experts = ...` there must be an `nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi
@@ -28,7 +30,7 @@ nn.Module) must be the published MLP, up to names and formatting::
     self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=True)   # a bias the GEMMs drop
     self.norm = nn.LayerNorm(self.intermediate_size)                                  # a submodule they skip
     return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))                # not act_fn
-    return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))           # gate and up swapped
+    return self.down_proj(self.act_fn(self.down_proj(x)) * self.up_proj(x))         # down used as the gate
     class PrunedMLP(DeepseekV3MLP): def forward(self, x): ...                        # checked as its own forward
 """
 
@@ -426,7 +428,12 @@ def _check_methods(name: str, chain: list[cst.ClassDef]) -> tuple[str, str, str]
         if resolved is None:
             raise RewriteError(f"{name}: no {method} in the expert class or its in-file bases")
     forward = found["forward"][1]  # type: ignore[index]
-    projections = projections_by_use(forward) or PROJECTIONS
+    projections = projections_by_use(forward)
+    if projections is None:
+        init = found["__init__"][1]  # type: ignore[index]
+        if not all(m.findall(init, m.Attribute(value=m.Name("self"), attr=m.Name(name))) for name in PROJECTIONS):
+            _check_forward(*found["forward"])  # type: ignore[misc]  # other names: the forward is what differs
+        projections = PROJECTIONS
     _check_init(*found["__init__"], projections)  # type: ignore[misc]
     _check_forward(*found["forward"], projections)  # type: ignore[misc]
     return projections
