@@ -64,6 +64,8 @@ CORE_SECTIONS = frozenset(
 # sections (`from .route import ...`), whose code the block holds. Anything else goes inside the function.
 FILE_IMPORTS = ("import torch",)
 OPTIONS_NAME = "_moe_rewrite_options"  # dispatch.py's options dict, filled with the rewrite's options
+# expert_linears.py's (gate, up, down) projection names, filled with the file's experts' own (Kimi's w1, w3, w2)
+PROJECTIONS_NAME = "MOE_REWRITE_PROJECTIONS"
 PLACEHOLDERS = ("MoE", "Model")
 
 
@@ -109,9 +111,14 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
     ]
 
 
-def render_section(name: str, module: cst.Module, options: RewriteOptions | None = None) -> Section:
+def render_section(
+    name: str,
+    module: cst.Module,
+    options: RewriteOptions | None = None,
+    projections: tuple[str, str, str] | None = None,
+) -> Section:
     """Section `name` parsed with the target module's newline and indentation; with `options`, dispatch's options dict
-    holds them."""
+    holds them; with `projections`, MOE_REWRITE_PROJECTIONS names the file's expert projections."""
     text = load_section(name).replace("\n", module.default_newline)
     parsed = cst.parse_module(text, config=module.config_for_parsing)
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
@@ -127,6 +134,13 @@ def render_section(name: str, module: cst.Module, options: RewriteOptions | None
         ):
             assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
             stmt = stmt.with_changes(body=[assign.with_changes(value=options_literal(options))])  # type: ignore[attr-defined]
+        if projections is not None and m.matches(
+            stmt, m.SimpleStatementLine(body=[m.Assign([m.AssignTarget(m.Name(PROJECTIONS_NAME))])])
+        ):
+            assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
+            quoted = ", ".join(f'"{name}"' for name in projections)  # identifiers: no escaping needed
+            names = cst.ensure_type(cst.parse_expression(f"({quoted})"), cst.Tuple)
+            stmt = stmt.with_changes(body=[assign.with_changes(value=names)])  # type: ignore[attr-defined]
         statements.append(stmt)
     if statements:  # the blank lines after the section's imports are not the code's
         statements[0] = statements[0].with_changes(leading_lines=[])

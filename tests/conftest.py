@@ -194,20 +194,22 @@ def same_bits(a, b) -> bool:
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
-def per_expert_grads(grads: dict) -> dict:
-    """Gradients of fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) under the per-expert names."""
+def per_expert_grads(grads: dict, projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict:
+    """Gradients of fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) under the per-expert names, the
+    experts' (gate, up, down) projections named `projections` (Kimi's: w1, w3, w2)."""
+    gate, up, down = projections
     out = {}
     for name, grad in grads.items():
         if name.endswith("experts.gate_up_proj"):
             prefix, half = name[: -len("gate_up_proj")], grad.shape[1] // 2
             for i in range(grad.shape[0]):
-                out[f"{prefix}{i}.gate_proj.weight"], out[f"{prefix}{i}.up_proj.weight"] = (
+                out[f"{prefix}{i}.{gate}.weight"], out[f"{prefix}{i}.{up}.weight"] = (
                     grad[i, :half],
                     grad[i, half:],
                 )
         elif name.endswith("experts.down_proj"):
             prefix = name[: -len("down_proj")]
-            out.update({f"{prefix}{i}.down_proj.weight": grad[i] for i in range(grad.shape[0])})
+            out.update({f"{prefix}{i}.{down}.weight": grad[i] for i in range(grad.shape[0])})
         else:
             out[name] = grad
     return out

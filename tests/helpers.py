@@ -21,6 +21,18 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+class SigmoidCopied(torch.overrides.TorchFunctionMode):
+    """Kimi's published router adds its bias in place to a view of the sigmoid's output, which autograd keeps for its
+    backward: under this mode the output is copied first (the same values), so that the published eval path can run
+    backward as the training reference."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.sigmoid, torch.sigmoid):
+            result = result.clone()
+        return result
+
+
 def eval_branch_with_grads(model) -> None:
     """The published V3 file's training reference (its MoE refuses training): each MoE layer takes its eval branch,
     with moe_infer recording gradients."""

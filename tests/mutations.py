@@ -70,10 +70,18 @@ class Mutation:
     # for attention edits: "sdpa" (the core runs through SDPA) or what the line under the file's line must say about
     # the attention left as published (the Model's 4-D mask then stays as published too)
     attention: str = ""
+    # the experts' (gate, up, down) projections as the variant's expert MLP uses them (for its gradients' names)
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     @property
     def fixture(self) -> Path:
+        if self.form == "kimi":
+            return FIXTURES / "kimi"
         return FIXTURES / ("deepseek_v2_esft" if self.form == "esft" else f"deepseek_{self.form}")
+
+    @property
+    def modeling(self) -> str:
+        return "modeling_kimi.py" if self.form == "kimi" else "modeling_deepseek.py"
 
     def apply(self, text: str) -> str:
         for old, new in self.edits:
@@ -161,14 +169,14 @@ def _expert_mlp_mutations(form: str) -> list[Mutation]:
         Mutation(
             form,
             "expert_gate_up_swapped",
-            "refused",
+            "exact",  # read by use: up_proj is the gate here, gate_proj the up projection
             (
                 (
                     MLP_FORWARD,
                     "        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))\n",
                 ),
             ),
-            why=f"{mlp}.forward: `return self.down_proj(self.act_fn(self.up_proj(x))",
+            projections=("up_proj", "gate_proj", "down_proj"),
         ),
         Mutation(
             form,
@@ -773,7 +781,7 @@ MUTATIONS += _attention_mutations()
 
 
 def variant_text(mutation: Mutation) -> str:
-    return mutation.apply((mutation.fixture / "modeling_deepseek.py").read_text())
+    return mutation.apply((mutation.fixture / mutation.modeling).read_text())
 
 
 def main(argv: list[str]) -> int:
@@ -781,7 +789,7 @@ def main(argv: list[str]) -> int:
     for mutation in MUTATIONS:
         target = out / f"{mutation.form}_{mutation.name}"
         target.mkdir(parents=True, exist_ok=True)
-        (target / "modeling_deepseek.py").write_text(variant_text(mutation))
+        (target / mutation.modeling).write_text(variant_text(mutation))
     print(f"{len(MUTATIONS)} variants in {out}")
     return 0
 

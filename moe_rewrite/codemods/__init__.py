@@ -70,7 +70,7 @@ class CompatChanges:
 
 
 # the Context fields one codemod fills for the later ones
-Field = Literal["moe", "compat", "attention", "loss", "norm", "rope"]
+Field = Literal["moe", "projections", "compat", "attention", "loss", "norm", "rope"]
 
 
 @dataclass
@@ -80,6 +80,8 @@ class Context:
     options: RewriteOptions
     sections: set[str] = field(default_factory=set)  # runtime sections the generated block must hold
     moe: MoeClassInfo | None = None  # filled by moe_forward
+    # filled by expert_mlp: the routed experts' (gate, up, down) projection names, read from their forward's use
+    projections: tuple[str, str, str] | None = None
     compat: CompatChanges | None = None  # filled by compat
     attention: list[str] | None = None  # filled by attention: its summary lines
     loss: list[str] | None = None  # filled by lm_loss: its summary lines
@@ -93,8 +95,13 @@ class Context:
         """Section `name` rendered for this file, once per rewrite (fused_experts takes its model methods, block the
         rest)."""
         if name not in self.rendered:
-            self.rendered[name] = _rendered(name, module.config_for_parsing, self.options)
+            self.rendered[name] = _rendered(name, module.config_for_parsing, self.options, self.expert_projections())
         return self.rendered[name]
+
+    def expert_projections(self) -> tuple[str, str, str]:
+        if self.projections is None:
+            raise InternalError("the experts' projections were read before expert_mlp proved them")
+        return self.projections
 
     def moe_class(self) -> MoeClassInfo:
         if self.moe is None:  # CODEMODS' order is checked against READS, so only a bug gets here
@@ -128,13 +135,15 @@ class Context:
 
 
 @lru_cache(maxsize=256)
-def _rendered(name: str, config: cst.PartialParserConfig, options: RewriteOptions) -> Section:
+def _rendered(
+    name: str, config: cst.PartialParserConfig, options: RewriteOptions, projections: tuple[str, str, str]
+) -> Section:
     """A section rendered for files with this newline, indentation and encoding: parsing the sections is a fifth of
     a rewrite, and their nodes, immutable, can be shared between rewrites."""
     layout = cst.Module(
         body=[], encoding=config.encoding, default_indent=config.default_indent, default_newline=config.default_newline
     )
-    return render_section(name, layout, options)
+    return render_section(name, layout, options, projections)
 
 
 class Codemod(Protocol):

@@ -26,7 +26,7 @@ from moe_rewrite.codemods.index import Index
 from moe_rewrite.render import banner_lines, ordered
 
 BANNER = "# ---- moe-rewrite"  # the first line above the generated block (render.banner_lines)
-READS: tuple[Field, ...] = ("moe",)
+READS: tuple[Field, ...] = ("moe", "projections")
 PROVIDES: tuple[Field, ...] = ()
 
 

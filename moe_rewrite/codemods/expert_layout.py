@@ -19,7 +19,7 @@ import libcst.matchers as m
 from moe_rewrite.codemods import Context, Field, is_generated_method, marked, replace
 from moe_rewrite.errors import RewriteError
 
-READS: tuple[Field, ...] = ()
+READS: tuple[Field, ...] = ("projections",)
 PROVIDES: tuple[Field, ...] = ()
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
 

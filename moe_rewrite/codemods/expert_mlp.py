@@ -1,6 +1,8 @@
 """Prove the expert MLP: the grouped GEMMs compute every routed expert as `down(act_fn(gate(x)) * up(x))` from the
 three projections' weights and the first expert's `act_fn`, so the file's expert class must compute exactly that, or
-the file is refused naming the difference. A check only: nothing is changed.
+the file is refused naming the difference. Nothing is changed in the file; the projections' names are read from the
+forward's use, not their names (Kimi's `w2(act_fn(w1(x)) * w3(x))`: w1 gate, w3 up, w2 down) and passed on to the
+generated code (Context.projections, MOE_REWRITE_PROJECTIONS), so that checkpoint keys and PEFT see the file's names.
 
 The class X of the routed experts comes from the MoE class's `__init__` (and its in-file subclasses'): every
 `self.experts = ...` there must be an `nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi
@@ -28,7 +30,7 @@ nn.Module) must be the published MLP, up to names and formatting::
     self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=True)   # a bias the GEMMs drop
     self.norm = nn.LayerNorm(self.intermediate_size)                                  # a submodule they skip
     return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))                # not act_fn
-    return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))           # gate and up swapped
+    return self.down_proj(self.act_fn(self.down_proj(x)) * self.up_proj(x))         # down used as the gate
     class PrunedMLP(DeepseekV3MLP): def forward(self, x): ...                        # checked as its own forward
 """
 
@@ -43,7 +45,7 @@ from moe_rewrite.codemods import Context, Field, class_methods, one_line, top_cl
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
-PROVIDES: tuple[Field, ...] = ()
+PROVIDES: tuple[Field, ...] = ("projections",)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 NN = m.Name("nn") | m.Attribute(value=m.Name("torch"), attr=m.Name("nn"))
 NN_MODULE = m.Attribute(value=NN, attr=m.Name("Module")) | m.Name("Module")
@@ -53,7 +55,7 @@ SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")), args=[]) | m.Call(
     func=m.Attribute(value=NN_MODULE, attr=m.Name("__init__")), args=[m.Arg(m.Name("self"))]
 )
-EXPECTED_FORWARD = "self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"
+EXPECTED_FORWARD = "self.{down}(self.act_fn(self.{gate}({x})) * self.{up}({x}))"
 
 
 def _ast(node: cst.CSTNode) -> ast.AST:
@@ -216,7 +218,7 @@ def _check_class_bodies(chain: list[cst.ClassDef]) -> None:
             )
 
 
-def _check_init(owner: str, init: cst.FunctionDef) -> None:
+def _check_init(owner: str, init: cst.FunctionDef, projections: tuple[str, str, str] = PROJECTIONS) -> None:
     where = f"{owner}.__init__"
     params = _params(init)
     if len(params) < 2 or params[0] != "self" or isinstance(init.params.star_arg, cst.Param) or init.params.star_kwarg:
@@ -239,7 +241,7 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
             if attr in found:
                 raise RewriteError(f"{where}: `{one_line(stmt)}` assigns self.{attr} a second time")
             value = cst.ensure_type(stmt, cst.Assign).value
-            if attr in (*PROJECTIONS, "act_fn"):
+            if attr in (*projections, "act_fn"):
                 found[attr] = value
             else:
                 _check_plain(stmt, known, where)
@@ -248,11 +250,11 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
             f"{where}: `{one_line(stmt)}` is not in the published expert MLP; moe-rewrite's grouped experts read only "
             "the three bias-free projections and act_fn"
         )
-    missing = [name for name in (*PROJECTIONS, "act_fn") if name not in found]
+    missing = [name for name in (*projections, "act_fn") if name not in found]
     if missing:
         raise RewriteError(f"{where}: no `self.{missing[0]} = ...`; the expert MLP needs gate, up and down projections")
     shapes = {}
-    for name in PROJECTIONS:
+    for name in projections:
         call = found[name]
         bias = [a for a in getattr(call, "args", ()) if a.keyword is not None]
         positional = [a for a in getattr(call, "args", ()) if a.keyword is None]
@@ -268,11 +270,12 @@ def _check_init(owner: str, init: cst.FunctionDef) -> None:
                 "grouped experts have no bias"
             )
         shapes[name] = tuple(ast.dump(_ast(a.value)) for a in positional)
-    gate, up, down = (shapes[name] for name in PROJECTIONS)
+    gate, up, down = (shapes[name] for name in projections)
     if up != gate or down != gate[::-1]:
         raise RewriteError(
-            f"{where}: the projections' sizes differ from the expert MLP's: gate_proj and up_proj should both be "
-            "nn.Linear(hidden, intermediate, ...) and down_proj nn.Linear(intermediate, hidden, ...)"
+            f"{where}: the projections' sizes differ from the expert MLP's: {projections[0]} and {projections[1]} "
+            f"should both be nn.Linear(hidden, intermediate, ...) and {projections[2]} nn.Linear(intermediate, "
+            "hidden, ...)"
         )
     act = found["act_fn"]
     expected = m.Subscript(
@@ -306,7 +309,7 @@ def _check_plain(stmt: cst.BaseSmallStatement, known: set[str], where: str) -> N
         )
 
 
-def _check_forward(owner: str, forward: cst.FunctionDef) -> None:
+def _check_forward(owner: str, forward: cst.FunctionDef, projections: tuple[str, str, str] = PROJECTIONS) -> None:
     where = f"{owner}.forward"
     params = _params(forward)
     if (
@@ -320,36 +323,80 @@ def _check_forward(owner: str, forward: cst.FunctionDef) -> None:
     ):
         raise RewriteError(f"{where}: expected `def forward(self, x)`, one input and nothing else")
     x = params[1]
-    temporaries: dict[str, ast.AST] = {}
-    stmts = _statements(forward, where)
+    gate, up, down = projections
     expected = {
-        ast.dump(ast.parse(EXPECTED_FORWARD.format(x=x), mode="eval").body),
-        ast.dump(ast.parse(f"self.down_proj(self.up_proj({x}) * self.act_fn(self.gate_proj({x})))", mode="eval").body),
+        ast.dump(ast.parse(EXPECTED_FORWARD.format(x=x, gate=gate, up=up, down=down), mode="eval").body),
+        ast.dump(ast.parse(f"self.{down}(self.{up}({x}) * self.act_fn(self.{gate}({x})))", mode="eval").body),
     }
+    result, stmt = _returned(forward, x)
+    if result is not None and ast.dump(result) in expected:
+        return
+    shown = one_line(stmt) if stmt is not None else "(empty)"
+    raise RewriteError(
+        f"{where}: `{shown}` differs from the expert MLP moe-rewrite's grouped experts compute, "
+        f"`return {EXPECTED_FORWARD.format(x=x, gate=gate, up=up, down=down)}`"
+    )
+
+
+def _returned(forward: cst.FunctionDef, x: str) -> tuple[ast.AST | None, cst.CSTNode | None]:
+    """The forward's result as one expression of `x` (each temporary inlined where it is read, once; a name may be
+    assigned again once its value was read: `h = f(x)`, `h = g(h)`), or None and the first statement that is not
+    that."""
+    temporaries: dict[str, ast.AST] = {}
+    stmts = _statements(forward, "")
     for i, stmt in enumerate(stmts):
         last = i == len(stmts) - 1
         if last and isinstance(stmt, cst.Return) and stmt.value is not None:
             result = _Inline(temporaries).visit(_ast(stmt.value))
-            if ast.dump(result) not in expected or any(temporaries.values()):
-                break
-            return
+            return (None, stmt) if any(temporaries.values()) else (result, stmt)
         if (
             not last
             and isinstance(stmt, cst.Assign)
             and len(stmt.targets) == 1
             and isinstance(stmt.targets[0].target, cst.Name)
-            and stmt.targets[0].target.value not in (*temporaries, x, "self")
+            and stmt.targets[0].target.value not in (x, "self")
         ):
-            temporaries[stmt.targets[0].target.value] = _Inline(temporaries).visit(_ast(stmt.value))
+            name = stmt.targets[0].target.value
+            value = _Inline(temporaries).visit(_ast(stmt.value))
+            if temporaries.get(name) is not None:  # assigned again before its value was read
+                return None, stmt
+            temporaries[name] = value
             continue
-        break
-    else:
-        stmt = stmts[-1] if stmts else None
-    shown = one_line(stmt) if stmt is not None else "(empty)"
-    raise RewriteError(
-        f"{where}: `{shown}` differs from the expert MLP moe-rewrite's grouped experts compute, "
-        f"`return {EXPECTED_FORWARD.format(x=x)}`"
-    )
+        return None, stmt
+    return None, stmts[-1] if stmts else None
+
+
+def projections_by_use(forward: cst.FunctionDef) -> tuple[str, str, str] | None:
+    """The (gate, up, down) projections' attribute names as the expert's forward uses them,
+    `self.D(self.act_fn(self.G(x)) * self.U(x))` (the product either way round): `w2(act(w1(x)) * w3(x))` reads w1
+    as the gate, w3 as up and w2 as down, whatever their names. None when the forward is not of that shape."""
+    params = _params(forward)
+    if len(params) != 2:
+        return None
+    x = params[1]
+    result, _ = _returned(forward, x)
+
+    def projection(node: ast.AST) -> str | None:  # `self.P(x)` -> P
+        if (
+            isinstance(node, ast.Call)
+            and len(node.args) == 1
+            and not node.keywords
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            return node.func.attr
+        return None
+
+    if projection(result) is None or not isinstance(result.args[0], ast.BinOp):  # type: ignore[union-attr]
+        return None
+    product = result.args[0]  # type: ignore[union-attr]
+    for activated, other in ((product.left, product.right), (product.right, product.left)):
+        if projection(activated) == "act_fn":
+            found = (projection(activated.args[0]), projection(other), projection(result))  # type: ignore[attr-defined]
+            if all(found) and len(set(found)) == 3 and "act_fn" not in found:
+                return found  # type: ignore[return-value]
+    return None
 
 
 class _Inline(ast.NodeTransformer):
@@ -366,15 +413,30 @@ class _Inline(ast.NodeTransformer):
         return value
 
 
-def check_expert_class(name: str, classes: dict[str, cst.ClassDef]) -> None:
+def check_expert_class(name: str, classes: dict[str, cst.ClassDef]) -> tuple[str, str, str]:
     """Refuses (RewriteError naming the class, method and statement) an expert class that is not the published MLP."""
     chain = _chain(name, classes, name)
     _check_class_bodies(chain)
-    for method, check in (("__init__", _check_init), ("forward", _check_forward)):
-        found = _resolve(chain, method)
-        if found is None:
+    return _check_methods(name, chain)
+
+
+def _check_methods(name: str, chain: list[cst.ClassDef]) -> tuple[str, str, str]:
+    """The expert class's (gate, up, down) projection names, read from its forward (projections_by_use; the published
+    names when the forward is not of the MLP's shape, which _check_forward then refuses)."""
+    found = {method: _resolve(chain, method) for method in ("__init__", "forward")}
+    for method, resolved in found.items():
+        if resolved is None:
             raise RewriteError(f"{name}: no {method} in the expert class or its in-file bases")
-        check(*found)
+    forward = found["forward"][1]  # type: ignore[index]
+    projections = projections_by_use(forward)
+    if projections is None:
+        init = found["__init__"][1]  # type: ignore[index]
+        if not all(m.findall(init, m.Attribute(value=m.Name("self"), attr=m.Name(name))) for name in PROJECTIONS):
+            _check_forward(*found["forward"])  # type: ignore[misc]  # other names: the forward is what differs
+        projections = PROJECTIONS
+    _check_init(*found["__init__"], projections)  # type: ignore[misc]
+    _check_forward(*found["forward"], projections)  # type: ignore[misc]
+    return projections
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
@@ -382,6 +444,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = context.moe_class().name
     # the MoE class and its in-file subclasses (one may build its experts from another class)
     layers = [name for name in classes if classes[moe] in _chain_or_any(name, classes)]
-    for expert in sorted({_expert_class(name, classes) for name in layers}):
-        check_expert_class(expert, classes)
+    experts = sorted({_expert_class(name, classes) for name in layers})
+    found = {check_expert_class(expert, classes) for expert in experts}
+    if len(found) != 1:
+        raise RewriteError(
+            f"{moe}: its expert classes name their gate, up and down projections differently "
+            f"({'; '.join(', '.join(names) for names in sorted(found))}); the generated code reads one set of names"
+        )
+    context.projections = found.pop()
     return module

@@ -14,6 +14,21 @@ training step.
 
 Selection is then the same in training as in eval: the bias is added for choosing experts, the weights are gathered
 from the unbiased scores, and the bias gets no gradient (top-k indices are not differentiable).
+
+Kimi's gate (`KimiMoEGate`, Kimi-Linear) adds the bias in place, to a view of the scores, so the published weights
+(gathered from `scores` afterwards) include the bias, and autograd, which keeps the sigmoid's output for its backward,
+would fail at the first backward. The add is made out of place with the same values, `scores` rebound to the sum::
+
+    # Before
+    scores_for_choice = scores.view(bsz * seq_len, -1)
+    scores_for_choice += self.e_score_correction_bias.unsqueeze(0)
+    # After
+    scores_for_choice = scores.view(bsz * seq_len, -1)
+    scores_for_choice = (scores_for_choice + self.e_score_correction_bias.unsqueeze(0)).to(scores_for_choice.dtype)
+    scores = scores_for_choice.view(scores.shape)  # moe-rewrite: ...
+
+Training then computes exactly the eval path with gradients, the bias's included (it is in the weights). Any other
+augmented assignment in the gate's forward is refused by name.
 """
 
 from __future__ import annotations
@@ -110,4 +125,71 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if len(forwards) != 1:
         raise RewriteError(f"{gate_class} has no forward()")
     forward = forwards[0]
-    return replace(module, forward, drop_training_guards(forward, f"{gate_class}.forward"))
+    where = f"{gate_class}.forward"
+    return replace(module, forward, out_of_place_view_adds(drop_training_guards(forward, where), where))
+
+
+INPLACE_NOTE = "# moe-rewrite: the add out of place (autograd), as it left them"
+
+
+def out_of_place_view_adds(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
+    """`v = b.view(...)` right before `v += e` (Kimi's gate): the add out of place, `b` rebound to the sum as the
+    in-place add left it. `b` must not be read before the view (no other alias of it could see the add). Any other
+    augmented assignment is refused by name."""
+    if not isinstance(fn.body, cst.IndentedBlock):
+        return fn
+    stmts = list(fn.body.body)
+    body: list[cst.BaseStatement] = []
+    for i, stmt in enumerate(stmts):
+        if not m.findall(stmt, m.AugAssign()):
+            body.append(stmt)
+            continue
+        view = _view_base(stmts[i - 1], stmt) if i else None
+        if view is None or any(_reads(s, view[1]) for s in stmts[: i - 1]):
+            code = cst.Module(body=[]).code_for_node(cst.ensure_type(m.findall(stmt, m.AugAssign())[0], cst.AugAssign))
+            raise RewriteError(
+                f"{where}: `{code.strip()}` changes a tensor in place, which autograd may refuse in training; "
+                "moe-rewrite rewrites only `v += e` right after `v = scores.view(...)` (Kimi's gate)"
+            )
+        name, base = view
+        aug = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.AugAssign)
+        total = cst.ensure_type(cst.parse_expression(f"({name} + _).to({name}.dtype)"), cst.Call)
+        plus = cst.ensure_type(cst.ensure_type(total.func, cst.Attribute).value, cst.BinaryOperation)
+        total = total.with_changes(
+            func=cst.ensure_type(total.func, cst.Attribute).with_changes(value=plus.with_changes(right=aug.value))
+        )
+        body.append(
+            stmt.with_changes(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(name))], value=total)])  # type: ignore[attr-defined]
+        )
+        rebind = cst.parse_statement(f"{base} = {name}.view({base}.shape)  {INPLACE_NOTE}")
+        body.append(rebind)
+    return fn.with_changes(body=fn.body.with_changes(body=body))
+
+
+def _view_base(previous: cst.BaseStatement, stmt: cst.BaseStatement) -> tuple[str, str] | None:
+    """(v, b) for `v = b.view(...)` followed by `v += e` (one statement each), else None."""
+    view = m.SimpleStatementLine(
+        body=[
+            m.Assign(
+                targets=[m.AssignTarget(m.Name())],
+                value=m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("view"))),
+            )
+        ]
+    )
+    if not m.matches(previous, view) or not m.matches(
+        stmt, m.SimpleStatementLine(body=[m.AugAssign(target=m.Name(), operator=m.AddAssign())])
+    ):
+        return None
+    assign = cst.ensure_type(cst.ensure_type(previous, cst.SimpleStatementLine).body[0], cst.Assign)
+    name = cst.ensure_type(assign.targets[0].target, cst.Name).value
+    base = cst.ensure_type(cst.ensure_type(cst.ensure_type(assign.value, cst.Call).func, cst.Attribute).value, cst.Name)
+    aug = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.AugAssign)
+    if cst.ensure_type(aug.target, cst.Name).value != name or base.value == name or _reads(aug.value, name):
+        return None
+    return name, base.value
+
+
+def _reads(node: cst.CSTNode, name: str) -> bool:
+    """Whether `node` reads `name` (any use but as the plain target of an assignment)."""
+    stores = m.findall(node, m.AssignTarget(target=m.Name(name)))
+    return len(m.findall(node, m.Name(name))) > len(stores)

@@ -65,6 +65,16 @@ EP_SIZE_IS_1 = m.Comparison(
 )
 
 
+def _is_training_refusal(orelse: cst.If | cst.Else | None) -> bool:
+    """Kimi form: `if not self.training: ... else: raise NotImplementedError(...)`, an else whose only statement
+    raises (any exception, any message) refuses training, as `assert not self.training` does in the V3 gate; the
+    training path replaces it."""
+    if not isinstance(orelse, cst.Else):
+        return False
+    stmts = _block(orelse.body).body
+    return len(stmts) == 1 and m.matches(stmts[0], m.SimpleStatementLine(body=[m.Raise()]))
+
+
 def _esft_branch(forward: cst.FunctionDef) -> cst.If | None:
     """ESFT form: the forward's `if self.ep_size == 1:` branch holding the loop over the experts (or moe_train)."""
     for stmt in forward.body.body:
@@ -615,8 +625,10 @@ def rewrite_forward(
         return _bind(call, params, where)
 
     arity = _gate_arity(forward, where)
-    branch = _training_if(forward, where)
+    published = branch = _training_if(forward, where)
     if arity == 2 and m.matches(branch.test, NOT_SELF_TRAINING):
+        if _is_training_refusal(branch.orelse):
+            branch = branch.with_changes(orelse=None)  # Kimi form: the training path goes where it refused
         if branch.orelse is not None and not m.findall(branch.orelse, MOE_TRAIN_CALL):
             raise RewriteError(
                 f"{where}: `if not self.training:` already has an else branch that moe-rewrite did not write"
@@ -648,7 +660,7 @@ def rewrite_forward(
         )
     # last, so that a file of another structure is told what in its forward is not recognised
     check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
-    return cst.ensure_type(forward.deep_replace(branch, new_branch), cst.FunctionDef), form
+    return cst.ensure_type(forward.deep_replace(published, new_branch), cst.FunctionDef), form
 
 
 def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str) -> cst.FunctionDef:

@@ -35,8 +35,13 @@ KNOWN_BODIES: dict[str, str] = {
     # DeepSeek-V2 / V2-Lite, DeepSeek-VL2's language model, DeepSeek-V3 and R1 in ten independent public repositories
     # (checked for issue 39; hand-edited forks that change it, e.g. `.to("cuda:0")` or a float argsort, are refused).
     "7ef4e5b788f55b1c84a7a9800d7b3cf4b600c179d16209dd04ad389a42c26f77": "DeepSeek-V2/V2-Lite/VL2/V3/R1 as published",
+    # Kimi-Linear's modeling_kimi.py (KimiSparseMoeBlock): DeepSeek's body without `sorted_tokens_shape = ...`, which
+    # only its expert-parallel blocks read. The same in two independent public copies (checked for issue 35).
+    "7b20555250960408ca4755f7838daf1834905653cfff837d5d91f0dd10d97268": "Kimi-Linear as published",
     # moe-rewrite's own stand-ins, fixtures/deepseek_v3 and fixtures/deepseek_v2 (bincount instead of scatter_).
     "22a4428b86a91653b7472042724d66cde97a4d525cb421a7c24254a9a1ceb707": "moe-rewrite's stand-in fixtures",
+    # moe-rewrite's Kimi stand-in, fixtures/kimi: the same, counting `self.config.num_experts` (Kimi's name).
+    "5057959d62c6e03a95ea856f540229dbc11829ea30949c8fd11094e8ca49f593": "moe-rewrite's Kimi stand-in fixture",
 }
 
 # The statements of every known body, first 16 hex digits of their fingerprints (for the error message only).
@@ -51,7 +56,9 @@ KNOWN_STATEMENTS: frozenset[str] = frozenset(
         "21ec121f0690ef9d 7b3f49b951da11b4 5ca24678743d0ea3 a2fc838384087eda da614fb490b95c67 a1166c008d0ebbc0 "
         "66af0b61de99782d 7a43f2bde94ef00a f1e4b50899ff87e3 e3692592a5acb75e 0576102cf207a723 3d1e0aaa463df3ee "
         "3d6ecba3d7d15b37 f861b64558929fe5 a872d834a751eaf5 5f5522f2f6e42274 fa13b12d69b171d5 1758362a2eb7ccba "
-        "9148e4756acf28ba 112c80bc660db2da 4286a82c64b588c4 6a0e2d26730c9527 07c679304645e516"
+        "9148e4756acf28ba 112c80bc660db2da 4286a82c64b588c4 6a0e2d26730c9527 07c679304645e516 "
+        # moe-rewrite's Kimi stand-in (the others are the stand-ins')
+        "c0260c9d6fc9e363"
     ).split()
 )
 

@@ -6,6 +6,8 @@ import torch
 
 from .dispatch import _moe_rewrite_setting
 
+# The experts' gate, up and down projections' names: moe-rewrite writes the file's own here (Kimi's experts name them
+# w1, w3, w2), read from the expert MLP's forward. The LoRA adapters and fused parameters keep these roles' names.
 MOE_REWRITE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -229,10 +231,11 @@ def _moe_rewrite_projections(experts):
 
 
 def _moe_rewrite_adapters(projections):
-    """{projection name: _moe_rewrite_lora(...)} for the adapted ones of `projections` (_moe_rewrite_projections;
-    {} when none is), or None when the loop must run them."""
+    """{"gate_proj" | "up_proj" | "down_proj": _moe_rewrite_lora(...)} for the adapted ones of `projections`
+    (_moe_rewrite_projections; {} when none is), keyed by role whatever the file calls them, or None when the loop must
+    run them."""
     adapters = {}
-    for name, column in zip(MOE_REWRITE_PROJECTIONS, projections):
+    for name, column in zip(("gate_proj", "up_proj", "down_proj"), projections):
         loras = _moe_rewrite_lora(column)
         if loras is None:
             return None

@@ -5,6 +5,8 @@ Always generated.
 
 import torch
 
+from .expert_linears import MOE_REWRITE_PROJECTIONS
+
 
 def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
     """The (E, 2 * intermediate, hidden) gate_up and (E, hidden, intermediate) down tensors holding the experts'
@@ -25,8 +27,8 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
     """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
     a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
     some are reported missing."""
-    projections = ("gate_proj", "up_proj", "down_proj")
-    keys = [(i, proj, f"{prefix}{i}.{proj}.weight") for i in range(len(module)) for proj in projections]
+    projections = list(enumerate(MOE_REWRITE_PROJECTIONS))  # (role, name): role 0 gate, 1 up, 2 down
+    keys = [(i, role, f"{prefix}{i}.{name}.weight") for i in range(len(module)) for role, name in projections]
     found = [key for key in keys if key[2] in state_dict]
     if not found:
         return
@@ -46,11 +48,9 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
         return
     inter = down.shape[2]
     with torch.no_grad():
-        for i, proj, key in found:
+        for i, role, key in found:  # role 0 gate, 1 up, 2 down
             value = state_dict.pop(key)
-            target = (
-                down[i] if proj == "down_proj" else gate_up[i, :inter] if proj == "gate_proj" else gate_up[i, inter:]
-            )
+            target = (gate_up[i, :inter], gate_up[i, inter:], down[i])[role]
             if value.shape != target.shape:
                 raise RuntimeError(f"moe-rewrite: {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
             target.copy_(value)
@@ -84,9 +84,10 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
             down = state_dict[prefix + "down_proj"].detach()
             value, inter = value.detach(), down.shape[2]
             for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
-                unfused[f"{prefix}{i}.gate_proj.weight"] = value[i, :inter].to("cpu", copy=True)
-                unfused[f"{prefix}{i}.up_proj.weight"] = value[i, inter:].to("cpu", copy=True)
-                unfused[f"{prefix}{i}.down_proj.weight"] = down[i].to("cpu", copy=True)
+                gate, up, down_name = MOE_REWRITE_PROJECTIONS
+                unfused[f"{prefix}{i}.{gate}.weight"] = value[i, :inter].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.{up}.weight"] = value[i, inter:].to("cpu", copy=True)
+                unfused[f"{prefix}{i}.{down_name}.weight"] = down[i].to("cpu", copy=True)
     return unfused
 
 

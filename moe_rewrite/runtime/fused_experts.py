@@ -135,13 +135,15 @@ class _MoeRewriteFusedExpert(torch.nn.Module):
     def __init__(self, experts, index):
         super().__init__()
         inter = experts.down_proj.shape[2]
-        for name, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)), ("down_proj", None)):
-            self.add_module(name, _MoeRewriteExpertProjection(experts, index, name, rows))
+        rows = (slice(0, inter), slice(inter, 2 * inter), None)  # gate, up (in gate_up_proj), down
+        for name, part in zip(MOE_REWRITE_PROJECTIONS, rows):  # the checkpoint's names, for PEFT and hooks
+            self.add_module(name, _MoeRewriteExpertProjection(experts, index, name, part))
         object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule: the experts hold this view
 
     def forward(self, x):
         act_fn = self._moe_rewrite_experts.act_fn
-        return self.down_proj(act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = (self._modules[name] for name in MOE_REWRITE_PROJECTIONS)
+        return down(act_fn(gate(x)) * up(x))
 
 
 class _MoeRewriteExpertProjection(torch.nn.Linear):

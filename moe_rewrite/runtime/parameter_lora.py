@@ -75,7 +75,7 @@ def _moe_rewrite_load_expert_lora(moe, state_dict, prefix, *args):
     head = prefix + "experts."
     keys = [k for k in state_dict if k.startswith(head) and ".lora_" in k and k[len(head) :].split(".")[0].isdigit()]
     experts, wrappers = _moe_rewrite_unwrap(moe._modules["experts"])
-    if not keys or not wrappers or "lora_A" in experts[0]._modules["down_proj"]._modules:
+    if not keys or not wrappers or "lora_A" in experts[0]._modules[MOE_REWRITE_PROJECTIONS[2]]._modules:
         return  # nothing per-expert, or the expert views hold LoRA layers of their own that take these keys
     # PEFT names the adapter in the keys it finds modules for; the others keep the file's name, without one: they
     # belong to the adapter being loaded, the one PEFT added last.
@@ -92,7 +92,7 @@ def _moe_rewrite_load_expert_lora(moe, state_dict, prefix, *args):
     count = len(experts)
     for depth, wrapper in enumerate(wrappers):
         name, target = wrapper.__dict__["parameter_name"], head + "base_layer." * depth
-        projections = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
+        projections = MOE_REWRITE_PROJECTIONS[:2] if name == "gate_up_proj" else MOE_REWRITE_PROJECTIONS[2:]
         for adapter, found in parts.items():
             a = [found.pop((i, p, "lora_A"), None) for i in range(count) for p in projections]
             b = [found.pop((i, p, "lora_B"), None) for i in range(count) for p in projections]
