@@ -418,6 +418,11 @@ def _rewrite(
     from moe_rewrite.rewrite import rewrite_source  # libcst: a second to import, which `env` and --help skip
 
     text = src.read()  # its errors name the file already
+    if src.via is not None:
+        report.info(
+            f"{sources.shown(src.via)} (config.json's auto_map) imports the MoE classes from "
+            f"{sources.shown(src.modeling_file.name)}: that file is the one rewritten"
+        )
     try:
         with report.progress(src.name):
             result = rewrite_source(text, options)

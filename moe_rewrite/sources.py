@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import stat
@@ -66,6 +67,8 @@ class Source:
     # Code that config.json's auto_map takes from other Hub repos ("org/name--module.Class") and root lacks.
     external: tuple[Path, ...] = ()
     revision: str | None = None  # a Hub source's --revision
+    # The auto_map module that imports modeling_file relatively, when that is where the MoE classes are.
+    via: str | None = None
 
     @property
     def name(self) -> str:
@@ -200,7 +203,79 @@ def _from_dir(
         repo = _foreign_repo_of(root, name)
         hint = f" (config.json's auto_map takes it from {repo}: put that repo's {name} here)" if repo else ""
         raise RewriteError(f"{shown(spec)}: no {shown(name)} in this {where}{hint}")
-    return Source(spec, kind, path, root, weights=weights, external=external, revision=revision)
+    moe_file = imported_moe_file(path, (*(p for p in root.iterdir() if p.suffix == ".py"), *external))
+    via = None if moe_file == path else path.name
+    return Source(spec, kind, moe_file, root, weights=weights, external=external, revision=revision, via=via)
+
+
+# ------------------------------------------------------------------------------------- a wrapper's relative imports
+
+
+def _syntax_tree(path: Path) -> ast.Module:
+    try:
+        return ast.parse(read_text(path), filename=str(path))
+    except (SyntaxError, ValueError, RecursionError) as e:
+        raise RewriteError(f"{shown(path)}: not valid Python ({e.__class__.__name__})") from None
+
+
+def holds_moe_class(tree: ast.Module) -> bool:
+    """A module-level class defining both forward() and moe_infer(): what the MoE codemod rewrites."""
+    return any(
+        isinstance(node, ast.ClassDef)
+        and {"forward", "moe_infer"} <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        for node in tree.body
+    )
+
+
+def _relative_modules(tree: ast.Module, path: Path) -> list[str]:
+    """The modules `path` imports relatively (`from .mod import X`, `from . import mod`), as file names; one beyond
+    the checkpoint (`from ..x`, `from .pkg.mod`) is a one-line error: transformers copies only the top level."""
+    names = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        dots = "." * node.level
+        if node.level > 1 or (node.module and "." in node.module):
+            raise RewriteError(
+                f"{shown(path)}: imports {dots}{node.module or ''} relatively, outside the checkpoint's top level; "
+                "moe-rewrite follows modules beside config.json only"
+            )
+        modules = [node.module] if node.module else [a.name for a in node.names]
+        names += [f"{module}.py" for module in modules]
+    return names
+
+
+def imported_moe_file(path: Path, candidates: tuple[Path, ...]) -> Path:
+    """The file holding the MoE classes: `path` itself, or the one file that `path` reaches through relative imports
+    among `candidates` (the checkpoint's .py files), as transformers loads a wrapper (DeepSeek-OCR's
+    modeling_deepseekocr.py imports `.modeling_deepseekv2`). Read as syntax trees only, never imported. `path` when
+    no file reached holds them (the rewrite then says it is not a MoE file); several are a one-line error."""
+    tree = _syntax_tree(path)
+    if holds_moe_class(tree):
+        return path
+    by_name = {p.name: p for p in reversed(candidates)}  # the checkpoint's own before another repo's
+    seen, queue, found = {path.name}, [(path, tree)], []
+    while queue:
+        importer, tree = queue.pop(0)
+        for name in _relative_modules(tree, importer):
+            if name in seen:
+                continue
+            seen.add(name)
+            module = by_name.get(name)
+            if module is None or not module.is_file():
+                raise RewriteError(
+                    f"{shown(importer)}: imports .{name.removesuffix('.py')}, and the checkpoint has no {shown(name)}"
+                )
+            module_tree = _syntax_tree(module)
+            if holds_moe_class(module_tree):
+                found.append(module)
+            queue.append((module, module_tree))
+    if len(found) > 1:
+        raise RewriteError(
+            f"{shown(path)}: imports several MoE files relatively ({', '.join(shown(p.name) for p in found)}); "
+            "rewrite each as SOURCE on its own (--in-place)"
+        )
+    return found[0] if found else path
 
 
 def fetch_referenced_code(spec: str, root: Path, token: str | None) -> tuple[Path, ...]:

@@ -53,6 +53,13 @@ FALLBACKS = {
 GONE_MODULES = {"transformers.modeling_attn_mask_utils": "5.x"}  # the whole module
 GONE_NAMES = {("transformers.utils.import_utils", "is_torch_fx_available"): "5.0"}
 
+# Llama's attention classes as 4.46/4.47 had them (DeepSeek-VL2 and DeepSeek-OCR's language models, `use_mla: false`).
+# 4.48 removed LlamaFlashAttention2 and LlamaSdpaAttention, so their import fails there; the LlamaAttention imported
+# beside them is then 4.48's, which takes RoPE from the caller and returns two values: the stand-in replaces it too.
+LLAMA = "transformers.models.llama.modeling_llama"
+FALLBACKS |= {(LLAMA, name): "compat_llama_attention" for name in ("LlamaAttention", "LlamaFlashAttention2")}
+GONE_NAMES |= {(LLAMA, "LlamaFlashAttention2"): "4.48", (LLAMA, "LlamaSdpaAttention"): "4.48"}
+
 # method name -> the generated helper that answers it; the receiver becomes the helper's first argument.
 CACHE_METHODS = {
     "get_usable_length": "_moe_rewrite_cache_usable_length",
@@ -216,13 +223,30 @@ def _guard(
 ) -> cst.Try:
     source = _module_name(node)
     fallback: list[cst.BaseStatement] = []
+    rendered: set[str] = set()
     for imported, bound in _bound_names(node):
         section = FALLBACKS.get((source, imported))
         since = _gone_since(source, imported)
         if section is not None:
-            defs = render_statements(section, module)
-            fallback += [d.with_changes(name=cst.Name(bound)) if isinstance(d, cst.FunctionDef) else d for d in defs]
             changes.imports.append(bound)
+            if section in rendered:  # a section that stands in for several names (Llama's attention classes)
+                continue
+            rendered.add(section)
+            defs = render_statements(section, module)
+            classes = [d for d in defs if isinstance(d, cst.ClassDef)]
+            if not classes:
+                fallback += [cst.ensure_type(d, cst.FunctionDef).with_changes(name=cst.Name(bound)) for d in defs]
+                continue
+            # Classes keep their names (one is the other's base): the file must bind them by those names only.
+            for cls in classes:
+                name = cls.name.value
+                aliases = [b for i, b in _bound_names(node) if i == name]
+                if aliases not in ([], [name]) or (not aliases and index.count(module, name)):
+                    raise RewriteError(
+                        f"compat: the stand-in for `{imported}` from {source} defines {name}, which the file binds "
+                        "otherwise; rerun with --no-compat to keep the import as it is"
+                    )
+            fallback += defs
         elif since is None:  # still there: imported on its own, beside the stand-ins
             alias = f" as {bound}" if bound != imported else ""
             fallback.append(

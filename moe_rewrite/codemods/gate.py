@@ -1,4 +1,7 @@
-"""Let the router run in training mode: drop `assert not self.training` from the gate's forward (V3 form).
+"""Let the router run in training mode: drop `assert not self.training` from the gate's forward.
+
+V3 form, and V2-form gates that carry V3's `noaux_tc` branch (DeepSeek-VL2's and DeepSeek-OCR's language models:
+with `topk_method: noaux_tc` the published file fails its first training step).
 
 Also its other spellings (`assert self.training is False`, `== False`, `if self.training: raise ...`), here and in the
 MoE forward; an assert or raise on `self.training` in another form is refused, so no rewritten file fails its first
@@ -110,23 +113,31 @@ def _top(node: cst.CSTNode) -> list[cst.CSTNode]:
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
-    """V3 form: the router's training guards dropped (the V2 form's router trains as published)."""
+    """The router's training guards dropped: V3 form, and a V2-form gate with any (the `noaux_tc` branch of VL2 and
+    OCR); a V2-form gate without one trains as published and is left as it is."""
     moe = context.moe_class()
-    if moe.form != "v3":
-        return module
     gate_class = moe.gate_class
     if gate_class is None:
+        if moe.form != "v3":
+            return module
         raise RewriteError("the MoE class's __init__ does not assign `self.gate = <GateClass>(...)`")
     gates = [s for s in module.body if m.matches(s, m.ClassDef(name=m.Name(gate_class)))]
     if len(gates) != 1:
+        if moe.form != "v3":  # as before V2 gates were looked into: a gate the file does not define is not ours
+            return module
         raise RewriteError(f"gate class {gate_class} is not defined once at module level")
     gate = cst.ensure_type(gates[0], cst.ClassDef)
     forwards = [s for s in gate.body.body if m.matches(s, m.FunctionDef(name=m.Name("forward")))]
-    if len(forwards) != 1:
+    if len(forwards) != 1 and moe.form == "v3":
         raise RewriteError(f"{gate_class} has no forward()")
-    forward = forwards[0]
-    where = f"{gate_class}.forward"
-    return replace(module, forward, out_of_place_view_adds(drop_training_guards(forward, where), where))
+    # Every method: a guard in a helper the forward calls stops training as surely as one in the forward.
+    for method in [s for s in gate.body.body if isinstance(s, cst.FunctionDef)]:
+        where = f"{gate_class}.{method.name.value}"
+        fixed = drop_training_guards(method, where)
+        if method.name.value == "forward" and moe.form == "v3":  # a V2 gate trains as published, in place or not
+            fixed = out_of_place_view_adds(fixed, where)
+        module = replace(module, method, fixed)
+    return module
 
 
 INPLACE_NOTE = "# moe-rewrite: the add out of place (autograd), as it left them"
