@@ -49,6 +49,10 @@ from moe_rewrite.render import render_statements
 FALLBACKS = {
     ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available",
     ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask",
+    # the 4.3x-era imports of DeepSeekMoE 16B (V1) and of training forks of the V2/V3 files
+    ("transformers.modeling_attn_mask_utils", "AttentionMaskConverter"): "compat_attn_mask_converter",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_attention_mask"): "compat_attention_mask",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask_for_sdpa"): "compat_sdpa_causal_mask",
 }
 GONE_MODULES = {"transformers.modeling_attn_mask_utils": "5.x"}  # the whole module
 GONE_NAMES = {("transformers.utils.import_utils", "is_torch_fx_available"): "5.0"}
@@ -221,7 +225,7 @@ def _guard(
         since = _gone_since(source, imported)
         if section is not None:
             defs = render_statements(section, module)
-            fallback += [d.with_changes(name=cst.Name(bound)) if isinstance(d, cst.FunctionDef) else d for d in defs]
+            fallback += [d.with_changes(name=cst.Name(bound)) if is_named(d, imported) else d for d in defs]
             changes.imports.append(bound)
         elif since is None:  # still there: imported on its own, beside the stand-ins
             alias = f" as {bound}" if bound != imported else ""
@@ -249,6 +253,11 @@ def _guard(
         handlers=[handler],
         leading_lines=stmt.leading_lines,
     )
+
+
+def is_named(stmt: cst.BaseStatement, name: str) -> bool:
+    """The stand-in's own definition (its helpers keep their names)."""
+    return isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name
 
 
 def _removed(node: cst.ImportFrom) -> bool:

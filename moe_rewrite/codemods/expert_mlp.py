@@ -53,6 +53,13 @@ SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")), args=[]) | m.Call(
     func=m.Attribute(value=NN_MODULE, attr=m.Name("__init__")), args=[m.Arg(m.Name("self"))]
 )
+PRETRAINING_TP_BRANCH = m.If(
+    test=m.Comparison(
+        left=m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("config")), attr=m.Name("pretraining_tp")),
+        comparisons=[m.ComparisonTarget(operator=m.GreaterThan(), comparator=m.Integer("1"))],
+    ),
+    orelse=m.Else(),
+)
 EXPECTED_FORWARD = "self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))"
 
 
@@ -322,6 +329,13 @@ def _check_forward(owner: str, forward: cst.FunctionDef) -> None:
     x = params[1]
     temporaries: dict[str, ast.AST] = {}
     stmts = _statements(forward, where)
+    if stmts and m.matches(stmts[0], PRETRAINING_TP_BRANCH):
+        # DeepSeekMoE 16B (V1): `if self.config.pretraining_tp > 1:` slices the projections (the same sums in
+        # another order), else the published MLP. The else branch is what is proved; the generated code refuses
+        # pretraining_tp > 1 at run time (moe_train and the fused experts raise NotImplementedError).
+        orelse = cst.ensure_type(cst.ensure_type(stmts[0], cst.If).orelse, cst.Else)
+        stmts = [*_statements(cst.FunctionDef(name=forward.name, params=forward.params, body=orelse.body), where)]
+        stmts += _statements(forward, where)[1:]
     expected = {
         ast.dump(ast.parse(EXPECTED_FORWARD.format(x=x), mode="eval").body),
         ast.dump(ast.parse(f"self.down_proj(self.up_proj({x}) * self.act_fn(self.gate_proj({x})))", mode="eval").body),
