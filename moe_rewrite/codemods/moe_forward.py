@@ -28,7 +28,12 @@ V2 form (a Python loop over the experts)::
         y = y.to(hidden_states.dtype).view(*orig_shape)
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
-Both forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
+V1 form (DeepSeekMoE 16B): the V2 form's training loop (without the dtype cast), rewritten the same way; its eval
+call passes flat ids and `topk_weight.view(-1, 1)` to a moe_infer that takes them so. moe_train's arguments are read
+off the training loop (the tokens it indexes, the ids its flat ids view, the weights of its weighted sum), and the
+eval call's are checked against them in the shapes its moe_infer's body takes (moe_infer_body.FLAT_ARGUMENTS).
+
+All forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
 codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/parameter_lora.py),
 which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
 
