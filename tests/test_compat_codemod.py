@@ -64,14 +64,15 @@ def test_rope_tables_come_back_after_meta_init(form, tmp_path):
 def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):
     text = SOURCE.replace(
         "from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask",
-        "from transformers.modeling_attn_mask_utils import AttentionMaskConverter, _prepare_4d_causal_attention_mask",
+        "from transformers.modeling_attn_mask_utils import _create_4d_causal_attention_mask, "
+        "_prepare_4d_causal_attention_mask",
     ).replace(
         "logger = logging.get_logger(__name__)",
-        "CONVERTER = AttentionMaskConverter(is_causal=True)\nlogger = logging.get_logger(__name__)",
+        "CREATE = _create_4d_causal_attention_mask\nlogger = logging.get_logger(__name__)",
     )
     path = tmp_path / "modeling_deepseek.py"
     path.write_text(text)
-    assert_one_line_error(run_cli(path, "--check"), "AttentionMaskConverter", "--no-compat")
+    assert_one_line_error(run_cli(path, "--check"), "_create_4d_causal_attention_mask", "--no-compat")
     assert path.read_text() == text
     assert run_cli(path, "--check", "--no-compat")[0] == 1  # would rewrite, coupling left as it is
 

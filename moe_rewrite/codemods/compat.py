@@ -49,6 +49,10 @@ from moe_rewrite.render import render_statements
 FALLBACKS = {
     ("transformers.utils.import_utils", "is_torch_fx_available"): "compat_fx_available",
     ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "compat_causal_mask",
+    # the 4.3x-era imports of DeepSeekMoE 16B (V1) and of training forks of the V2/V3 files
+    ("transformers.modeling_attn_mask_utils", "AttentionMaskConverter"): "compat_attn_mask_converter",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_attention_mask"): "compat_attention_mask",
+    ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask_for_sdpa"): "compat_sdpa_causal_mask",
 }
 GONE_MODULES = {"transformers.modeling_attn_mask_utils": "5.x"}  # the whole module
 GONE_NAMES = {("transformers.utils.import_utils", "is_torch_fx_available"): "5.0"}
@@ -234,8 +238,8 @@ def _guard(
             rendered.add(section)
             defs = render_statements(section, module)
             classes = [d for d in defs if isinstance(d, cst.ClassDef)]
-            if not classes:
-                fallback += [cst.ensure_type(d, cst.FunctionDef).with_changes(name=cst.Name(bound)) for d in defs]
+            if not classes:  # the function under the file's name for it; its helpers keep theirs
+                fallback += [d.with_changes(name=cst.Name(bound)) if is_named(d, imported) else d for d in defs]
                 continue
             # Classes keep their names (one is the other's base): the file must bind them by those names only.
             for cls in classes:
@@ -273,6 +277,11 @@ def _guard(
         handlers=[handler],
         leading_lines=stmt.leading_lines,
     )
+
+
+def is_named(stmt: cst.BaseStatement, name: str) -> bool:
+    """The stand-in's own definition (its helpers keep their names)."""
+    return isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name
 
 
 def _removed(node: cst.ImportFrom) -> bool:

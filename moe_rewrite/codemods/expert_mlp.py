@@ -55,6 +55,13 @@ SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")), args=[]) | m.Call(
     func=m.Attribute(value=NN_MODULE, attr=m.Name("__init__")), args=[m.Arg(m.Name("self"))]
 )
+PRETRAINING_TP_BRANCH = m.If(
+    test=m.Comparison(
+        left=m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("config")), attr=m.Name("pretraining_tp")),
+        comparisons=[m.ComparisonTarget(operator=m.GreaterThan(), comparator=m.Integer("1"))],
+    ),
+    orelse=m.Else(),
+)
 EXPECTED_FORWARD = "self.{down}(self.act_fn(self.{gate}({x})) * self.{up}({x}))"
 
 
@@ -344,6 +351,12 @@ def _returned(forward: cst.FunctionDef, x: str) -> tuple[ast.AST | None, cst.CST
     that."""
     temporaries: dict[str, ast.AST] = {}
     stmts = _statements(forward, "")
+    if stmts and m.matches(stmts[0], PRETRAINING_TP_BRANCH):
+        # DeepSeekMoE 16B (V1): `if self.config.pretraining_tp > 1:` slices the projections (the same sums in
+        # another order), else the published MLP. The else branch is what is proved; the generated code refuses
+        # pretraining_tp > 1 at run time (moe_train and the fused experts raise NotImplementedError).
+        orelse = cst.ensure_type(cst.ensure_type(stmts[0], cst.If).orelse, cst.Else)
+        stmts = _statements(cst.FunctionDef(name=forward.name, params=forward.params, body=orelse.body), "") + stmts[1:]
     for i, stmt in enumerate(stmts):
         last = i == len(stmts) - 1
         if last and isinstance(stmt, cst.Return) and stmt.value is not None:

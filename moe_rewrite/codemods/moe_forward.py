@@ -28,7 +28,12 @@ V2 form (a Python loop over the experts)::
         y = y.to(hidden_states.dtype).view(*orig_shape)
         y = AddAuxiliaryLoss.apply(y, aux_loss)
 
-Both forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
+V1 form (DeepSeekMoE 16B): the V2 form's training loop (without the dtype cast), rewritten the same way; its eval
+call passes flat ids and `topk_weight.view(-1, 1)` to a moe_infer that takes them so. moe_train's arguments are read
+off the training loop (the tokens it indexes, the ids its flat ids view, the weights of its weighted sum), and the
+eval call's are checked against them in the shapes its moe_infer's body takes (moe_infer_body.FLAT_ARGUMENTS).
+
+All forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
 codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/parameter_lora.py),
 which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
 
@@ -471,20 +476,19 @@ def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
 
 
 def _rewrite_v2_training_body(
-    body: cst.IndentedBlock,
-    infer_args: list[cst.Arg],
-    forward: cst.FunctionDef,
-    branch: cst.If,
-    where: str,
-    skip_after: int = 0,
-) -> cst.IndentedBlock:
+    body: cst.IndentedBlock, forward: cst.FunctionDef, branch: cst.If, where: str, skip_after: int = 0
+) -> tuple[cst.IndentedBlock, tuple[str, str, str]]:
     """Replace exactly the per-expert computation: the tokens' repeat_interleave, the output buffer, the loop and the
     weighted sum, as published. Every other statement stays, in order, before the moe_train call (if it cannot see
-    what the replaced ones computed) or after it; anything that could tell the difference is refused by name."""
+    what the replaced ones computed) or after it; anything that could tell the difference is refused by name.
+    Returns the new body and the names moe_train gets (tokens, topk ids, topk weights), read off the loop itself: the
+    tokens it indexes, the ids its flat ids are a view of, the weights of the weighted sum."""
     stmts = list(body.body)
-    if any(m.findall(s, MOE_TRAIN_CALL) for s in stmts):
-        return body  # already rewritten
-    tokens, ids, weights = (_name_of(a.value) for a in infer_args)
+    for call in (c for s in stmts for c in m.findall(s, MOE_TRAIN_CALL)):  # already rewritten
+        args = cst.ensure_type(call, cst.Call).args
+        if len(args) == 3 and all(isinstance(a.value, cst.Name) for a in args):
+            return body, tuple(cst.ensure_type(a.value, cst.Name).value for a in args)  # type: ignore[return-value]
+        raise RewriteError(f"{where}: `{one_line(call)}` is not the moe_train call moe-rewrite writes")
     loops = [
         i for i, s in enumerate(stmts) if m.matches(s, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)]) | SELF_EXPERTS))
     ]
@@ -497,9 +501,9 @@ def _rewrite_v2_training_body(
             f"{where}: the experts loop `{one_line(stmts[loop])}` is not `for i, expert in enumerate(self.experts): "
             "y[idx == i] = expert(x[idx == i])`"
         )
-    y, flat, x = found
-    if x != tokens:
-        raise RewriteError(f"{where}: the experts loop reads `{x}`, but moe_infer gets `{tokens}`")
+    y, flat, tokens = found
+    ids = _flat_source(forward, branch, flat, where)
+    weights = _sum_weights(stmts[loop + 1 :], y) or "topk_weight"
     repeat = f"{tokens} = {tokens}.repeat_interleave(self.num_experts_per_tok, dim=0)"
     known = {
         "repeat": [i for i in range(loop) if _same_code(stmts[i], repeat)],
@@ -564,14 +568,85 @@ def _rewrite_v2_training_body(
     target = cst.ensure_type(cst.ensure_type(stmts[total], cst.SimpleStatementLine).body[0], cst.Assign).targets[0]
     call = cst.Call(
         func=cst.Attribute(value=cst.Name("self"), attr=cst.Name("moe_train")),
-        args=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in infer_args],
+        args=[cst.Arg(cst.Name(n)) for n in (tokens, ids, weights)],
     )
     # The comments above the replaced statements described the loop; say what replaced it instead.
     note = cst.EmptyLine(
         comment=cst.Comment("# moe-rewrite: the experts as grouped GEMMs instead of a loop over experts")
     )
     new = cst.SimpleStatementLine(body=[cst.Assign(targets=[target], value=call)], leading_lines=[note])
-    return body.with_changes(body=[*kept_before, new, *kept_after])
+    return body.with_changes(body=[*kept_before, new, *kept_after]), (tokens, ids, weights)
+
+
+def _sum_weights(stmts: Sequence[cst.BaseStatement], y: str) -> str | None:
+    """W of the first `out = (y.view(*W.shape, -1) * W.unsqueeze(-1)).sum(dim=1)` among `stmts`, else None."""
+    unsqueezed = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("unsqueeze")))
+    for stmt in stmts:
+        if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])):
+            continue
+        for call in m.findall(stmt, unsqueezed):
+            w = cst.ensure_type(cst.ensure_type(cst.ensure_type(call, cst.Call).func, cst.Attribute).value, cst.Name)
+            expected = f"{_assign_target(stmt)} = ({y}.view(*{w.value}.shape, -1) * {w.value}.unsqueeze(-1)).sum(dim=1)"
+            if _same_code(stmt, expected):
+                return w.value
+    return None
+
+
+FLAT_VIEW = m.Call(
+    func=m.Attribute(value=m.Name(), attr=m.Name("view") | m.Name("reshape")),
+    args=[m.Arg(m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")), keyword=None)],
+)
+
+
+def _flat_source(forward: cst.FunctionDef, branch: cst.If, flat: str, where: str) -> str:
+    """ids of the one `flat = ids.view(-1)` (or `.reshape(-1)`) before the branch; refused otherwise."""
+    body = list(forward.body.body)
+    defs = [s for s in body if flat in _assigned_in(s)]
+    pattern = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(flat))], value=FLAT_VIEW)])
+    if len(defs) != 1 or defs[0] not in body[: body.index(branch)] or not m.matches(defs[0], pattern):
+        raise RewriteError(
+            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`"
+        )
+    view = cst.ensure_type(cst.ensure_type(defs[0], cst.SimpleStatementLine).body[0], cst.Assign).value
+    return cst.ensure_type(cst.ensure_type(cst.ensure_type(view, cst.Call).func, cst.Attribute).value, cst.Name).value
+
+
+def _same_expression(expr: cst.BaseExpression, *expected: str) -> bool:
+    code = cst.Module(body=[]).code_for_node(expr)
+    return ast.dump(ast.parse(code, mode="eval")) in {ast.dump(ast.parse(e, mode="eval")) for e in expected}
+
+
+def _check_eval_args(
+    args: list[cst.Arg], kind: str, names: tuple[str, str, str], forward: cst.FunctionDef, branch: cst.If, where: str
+) -> None:
+    """The eval branch must give moe_infer what training computes with, in the shapes its body takes: (tokens,
+    topk ids, topk weights), or for a V1-form body (kind "flat") the flat ids (`topk_idx.view(-1)` or a name assigned
+    once as that before the branch) and `topk_weight.view(-1, 1)`."""
+    tokens, ids, weights = names
+    first, second, third = (a.value for a in args)
+    if kind == "topk":
+        expected = f"{tokens}, {ids}, {weights}"
+        ok = all(isinstance(v, cst.Name) and v.value == n for v, n in zip((first, second, third), names))
+    else:
+        expected = f"{tokens}, {ids}.view(-1), {weights}.view(-1, 1)"
+        flat_ids = _same_expression(second, f"{ids}.view(-1)", f"{ids}.reshape(-1)")
+        if isinstance(second, cst.Name) and second.value != ids:
+            try:
+                flat_ids = _flat_source(forward, branch, second.value, where) == ids
+            except RewriteError:
+                flat_ids = False
+        ok = (
+            isinstance(first, cst.Name)
+            and first.value == tokens
+            and flat_ids
+            and _same_expression(third, f"{weights}.view(-1, 1)", f"{weights}.reshape(-1, 1)")
+        )
+    if not ok:
+        got = ", ".join(cst.Module(body=[]).code_for_node(v) for v in (first, second, third))
+        raise RewriteError(
+            f"{where}: the eval branch calls self.moe_infer({got}); training computes with `{tokens}`, `{ids}` and "
+            f"`{weights}`, so moe_infer should get ({expected})"
+        )
 
 
 def _assign_target(stmt: cst.BaseStatement) -> str:
@@ -585,27 +660,11 @@ def _statements_after(forward: cst.FunctionDef, branch: cst.If) -> list[cst.Base
 
 
 def _check_flat_ids(forward: cst.FunctionDef, branch: cst.If, flat: str, ids: str, where: str) -> None:
-    """The loop's expert ids must be `flat = topk_idx.view(-1)`, assigned once before the branch, with topk_idx itself
-    assigned only by the gate: moe_train gets topk_idx."""
+    """The loop's expert ids `flat` (proved `flat = ids.view(-1)` by _flat_source) come from topk_idx assigned only by
+    the gate: moe_train gets topk_idx."""
     body = list(forward.body.body)
-    before = body[: body.index(branch)]
-    defs = [s for s in body if flat in _assigned_in(s)]
-    if (
-        len(defs) != 1
-        or defs[0] not in before
-        or not (_same_code(defs[0], f"{flat} = {ids}.view(-1)") or _same_code(defs[0], f"{flat} = {ids}.reshape(-1)"))
-    ):
-        raise RewriteError(
-            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = {ids}.view(-1)`"
-        )
     if [s for s in body if ids in _assigned_in(s) and not m.findall(s, SELF_GATE_CALL)]:
         raise RewriteError(f"{where}: `{ids}` is assigned again after the gate; moe-rewrite cannot keep it exactly")
-
-
-def _name_of(expr: cst.BaseExpression) -> str:
-    if not isinstance(expr, cst.Name):
-        raise RewriteError("self.moe_infer(...)'s third argument should be the topk weights' name")
-    return expr.value
 
 
 def rewrite_forward(
@@ -648,8 +707,9 @@ def rewrite_forward(
         if branch.orelse is None:
             raise RewriteError(f"{where}: `if self.training:` has no else branch calling self.moe_infer(...)")
         infer_args = _moe_infer_args(_single_moe_infer_assign(branch.orelse.body, where), params, where)
+        training_body, names = _rewrite_v2_training_body(_block(branch.body), forward, branch, where)
         new_branch = branch.with_changes(
-            body=_rewrite_v2_training_body(_block(branch.body), infer_args, forward, branch, where),
+            body=training_body,
             orelse=branch.orelse.with_changes(body=_eval_through_moe_rewrite(branch.orelse.body, bind)),
         )
         form = "v2"
@@ -659,7 +719,14 @@ def rewrite_forward(
             "expected 2 with `if not self.training:` (V3 form) or 3 with `if self.training:` (V2 form))"
         )
     # last, so that a file of another structure is told what in its forward is not recognised
-    check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
+    kind = check_moe_infer(cst.Module(body=[moe_infer]).code, f"{name}.moe_infer")
+    if form == "v2":
+        _check_eval_args(infer_args, kind, names, forward, branch, where)
+    elif kind != "topk":
+        raise RewriteError(
+            f"{name}.moe_infer takes flat ids and weights (the V1 form's), but {where} has the V3 form's structure, "
+            "which trains through moe_infer's arguments"
+        )
     return cst.ensure_type(forward.deep_replace(published, new_branch), cst.FunctionDef), form
 
 
@@ -695,33 +762,14 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
     after = _statements_after(forward, branch)
     star = m.Arg(star="*", value=m.Attribute(value=m.Name(), attr=m.Name("shape")))
     weights = next(iter(m.findall(after[0], star)), None) if after else None
-    view_call = m.Assign(targets=[m.AssignTarget(target=m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("view"))))
-    flat_defs = [s for s in forward.body.body if m.matches(s, m.SimpleStatementLine(body=[view_call]))]
     loop = next(iter(m.findall(branch.body, m.For(iter=m.Call(args=[m.Arg(SELF_EXPERTS)])))))
-    found = _experts_loop_names(cst.ensure_type(loop, cst.For))
-    if weights is None or found is None:
+    if weights is None or _experts_loop_names(cst.ensure_type(loop, cst.For)) is None:
         raise RewriteError(
             f"{where}: no weighted sum right after `if self.ep_size == 1:`, "
             "or its experts loop is not the published one"
         )
-    flat = found[1]
-    ids = next(
-        (
-            cst.ensure_type(
-                cst.ensure_type(cst.ensure_type(d.body[0], cst.Assign).value, cst.Call).func, cst.Attribute
-            ).value
-            for d in flat_defs
-            if _assign_target(d) == flat
-        ),
-        None,
-    )
-    if not isinstance(ids, cst.Name):
-        raise RewriteError(
-            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`"
-        )
-    args = [cst.Arg(cst.Name(found[2])), cst.Arg(ids), cst.Arg(cst.ensure_type(weights, cst.Arg).value.value)]  # type: ignore[attr-defined]
     merged = cst.IndentedBlock(body=[*_block(branch.body).body, after[0]])
-    body = _rewrite_v2_training_body(merged, args, forward, branch, where, skip_after=1)
+    body, _ = _rewrite_v2_training_body(merged, forward, branch, where, skip_after=1)
     orelse = _block(branch.orelse.body)
     new_branch = branch.with_changes(
         body=body, orelse=branch.orelse.with_changes(body=orelse.with_changes(body=[*orelse.body, after[0]]))

@@ -42,7 +42,21 @@ KNOWN_BODIES: dict[str, str] = {
     "22a4428b86a91653b7472042724d66cde97a4d525cb421a7c24254a9a1ceb707": "moe-rewrite's stand-in fixtures",
     # moe-rewrite's Kimi stand-in, fixtures/kimi: the same, counting `self.config.num_experts` (Kimi's name).
     "5057959d62c6e03a95ea856f540229dbc11829ea30949c8fd11094e8ca49f593": "moe-rewrite's Kimi stand-in fixture",
+    # DeepSeekMoE 16B (the V1 form, deepseek-moe-16b-base/-chat): flat ids and (tokens * top_k, 1) weights, argsort,
+    # bincount, a host-synced loop over the experts, each output scaled in place in the tokens' dtype and summed by
+    # scatter_reduce_. The same in copies of it in two independent public repositories (checked for issue 35).
+    "07a714befa9a5aa26d6346a81af89d6728221cdb9a6073b46383a8a5dc37c854": "DeepSeekMoE 16B (V1) as published",
+    # moe-rewrite's own V1 stand-in, fixtures/deepseek_moe
+    "336a90e9b6cfcaaa92b0d96175e5710238bc11ad9bbcb70a184b378f9861f1f3": "moe-rewrite's V1 stand-in fixture",
 }
+# The bodies above that take flat arguments, as the V1 form calls them: `moe_infer(tokens, topk_idx.view(-1),
+# topk_weight.view(-1, 1))`; the others take (tokens, top_k) ids and weights.
+FLAT_ARGUMENTS = frozenset(
+    {
+        "07a714befa9a5aa26d6346a81af89d6728221cdb9a6073b46383a8a5dc37c854",
+        "336a90e9b6cfcaaa92b0d96175e5710238bc11ad9bbcb70a184b378f9861f1f3",
+    }
+)
 
 # The statements of every known body, first 16 hex digits of their fingerprints (for the error message only).
 KNOWN_STATEMENTS: frozenset[str] = frozenset(
@@ -58,7 +72,13 @@ KNOWN_STATEMENTS: frozenset[str] = frozenset(
         "3d6ecba3d7d15b37 f861b64558929fe5 a872d834a751eaf5 5f5522f2f6e42274 fa13b12d69b171d5 1758362a2eb7ccba "
         "9148e4756acf28ba 112c80bc660db2da 4286a82c64b588c4 6a0e2d26730c9527 07c679304645e516 "
         # moe-rewrite's Kimi stand-in (the others are the stand-ins')
-        "c0260c9d6fc9e363"
+        "c0260c9d6fc9e363 "
+        # DeepSeekMoE 16B (V1) as published
+        "cd4e2883486cc255 e70273127b1f40d5 a975e08cbedb6095 5ca02e584cabee94 e3692592a5acb75e 8f0594127e525359 "
+        "7a284fe730d12237 3d1e0aaa463df3ee 0a090a4e6d4fb279 aba8bf99bfe22775 88dc305678ebc9c4 cedd4a3c167b377c "
+        "02a0f0994e1f2e06 19cdb380405118be 58ef89aac281237d "
+        # moe-rewrite's V1 stand-in fixture
+        "f1e4b50899ff87e3 23202cfe1f6aa7ce 1d7d1631b75ddedf ac178496f0ec6915"
     ).split()
 )
 
@@ -195,8 +215,9 @@ def fingerprint(code: str) -> Fingerprint:
     return Fingerprint(body=_sha(whole), statements=tuple(statements))
 
 
-def check_moe_infer(code: str, where: str) -> None:
-    """Refuse (RewriteError naming `where` and the first unknown statement) a moe_infer that is not a known body."""
+def check_moe_infer(code: str, where: str) -> str:
+    """Refuse (RewriteError naming `where` and the first unknown statement) a moe_infer that is not a known body; for a
+    known one, how it takes its arguments: "flat" (FLAT_ARGUMENTS) or "topk"."""
     function = ast.parse(code).body[0]
     assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
     decorators = [ast.unparse(d) for d in function.decorator_list]
@@ -208,7 +229,7 @@ def check_moe_infer(code: str, where: str) -> None:
         )
     found = fingerprint(code)
     if found.body in KNOWN_BODIES:
-        return
+        return "flat" if found.body in FLAT_ARGUMENTS else "topk"
     for sha, line in found.statements:
         if sha not in KNOWN_STATEMENTS:
             raise RewriteError(

@@ -211,8 +211,10 @@ class MoE:
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
             return experts
-        if self.ep_size > 1:
+        if getattr(self, "ep_size", 1) > 1:  # V1-form classes have no ep_size: no expert parallelism
             raise NotImplementedError("moe-rewrite: fused experts do not support expert parallelism (ep_size > 1) yet")
+        if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
+            raise NotImplementedError("moe-rewrite: fused experts do not support pretraining_tp > 1 (set it to 1)")
         # An explicit check first: experts the grouped GEMMs would compute differently (another class, a None
         # expert, a ModuleDict) stay as they are, and fusing never drops a parameter or buffer.
         reason = _moe_rewrite_experts_differ(experts)

@@ -96,8 +96,10 @@ class MoE:
         it; the grouped path then writes that dtype straight from its float32 sums, with the same one rounding).
         The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
         """
-        if self.ep_size > 1:
+        if getattr(self, "ep_size", 1) > 1:  # V1-form classes have no ep_size: no expert parallelism
             raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
+        if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
+            raise NotImplementedError("moe-rewrite: moe_train does not support pretraining_tp > 1 (set it to 1)")
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)
         weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()

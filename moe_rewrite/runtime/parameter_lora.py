@@ -125,8 +125,11 @@ class MoE:
     def moe_rewrite_infer(self, x, topk_ids, topk_weight):
         """Eval mode's routed experts: the file's own moe_infer, expert by expert, unless the experts cannot be indexed
         as moe_infer does (PEFT's wrappers around the fused experts, see _moe_rewrite_unwrap); then moe_train runs
-        them with their adapters, without gradients as moe_infer, and returns x's dtype as moe_infer does."""
+        them with their adapters, without gradients as moe_infer, and returns x's dtype as moe_infer does. The V1 form
+        passes flat ids and (tokens * top_k, 1) weights (moe-rewrite proved them views of the (tokens, top_k) ones);
+        moe_train takes them per token."""
         if hasattr(type(self.experts), "__getitem__"):
             return self.moe_infer(x, topk_ids, topk_weight)
+        tokens = x.shape[0]
         with torch.no_grad():
-            return self.moe_train(x, topk_ids, topk_weight, out_dtype=x.dtype)
+            return self.moe_train(x, topk_ids.view(tokens, -1), topk_weight.view(tokens, -1), out_dtype=x.dtype)
