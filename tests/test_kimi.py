@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import FIXTURES, build_model, per_expert_grads, run_cli  # noqa: E402
+from conftest import FIXTURES, assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
 from helpers import SigmoidCopied, eval_branch_with_grads  # noqa: E402
 
 KIMI = FIXTURES / "kimi"
@@ -36,6 +36,9 @@ def test_summary_names_the_kimi_block(kimi_out):
     assert 'MOE_REWRITE_PROJECTIONS = ("w1", "w3", "w2")' in text
     assert "raise NotImplementedError" not in text.split("class KimiSparseMoeBlock")[1].split("def moe_train")[0]
     assert "scores_for_choice +=" not in text and "assert not self.training" not in text
+    # compat: the list of tied keys as 5.x reads it, the source as transformers' default get_input_embeddings() gives
+    assert "compat: _tied_weights_keys as a dict in KimiLinearForCausalLM" in err
+    assert '_tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}' in text
 
 
 def _step(model, ids, mask, labels, projections=("gate_proj", "up_proj", "down_proj")):
@@ -90,3 +93,27 @@ def test_training_step_equals_the_published_eval_path_with_gradients(kimi_out, t
     for name, grad in own_grads.items():
         assert (grads[name] - grad).abs().max().item() <= ATOL, name
     assert grads["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"].abs().sum() > 0  # in the weights
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("self.embed_tokens = nn.Embedding(", "self.wte = nn.Embedding("),  # not the attribute the default reads
+        (  # an in-file base answers get_input_embeddings() itself: not transformers' default
+            '    base_model_prefix = "model"\n',
+            '    base_model_prefix = "model"\n\n    def get_input_embeddings(self):\n        return None\n',
+        ),
+    ],
+    ids=["no_embed_tokens", "base_answers"],
+)
+def test_a_tied_list_compat_cannot_resolve_is_refused(tmp_path, edit):
+    """Where neither the class nor transformers' default says which weight lm_head is tied to, compat refuses (5.x
+    cannot read the list) and names the way out; nothing is written."""
+    variant = tmp_path / "kimi"
+    shutil.copytree(KIMI, variant)
+    path = variant / "modeling_kimi.py"
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1]))
+    assert_one_line_error(run_cli(variant, "--out", tmp_path / "out"), "_tied_weights_keys is a list", "--no-compat")
+    assert not (tmp_path / "out").exists()

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, CompatChanges, Context, Field, body_lines, replace
+from moe_rewrite.codemods import MARK, CompatChanges, Context, Field, body_lines, class_methods, replace
 from moe_rewrite.codemods.index import Index
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.render import render_statements
@@ -378,8 +378,10 @@ def _imports_transformers(stmt: cst.CSTNode, index: Index) -> bool:
     )
 
 
-def _embedding_path(cls: cst.ClassDef) -> str | None:
-    """'model.embed_tokens' from `def get_input_embeddings(self): return self.model.embed_tokens`."""
+def _embedding_path(cls: cst.ClassDef, module: cst.Module) -> str | None:
+    """'model.embed_tokens' from `def get_input_embeddings(self): return self.model.embed_tokens`; without that
+    method (files written for transformers >= 4.5x, Kimi's), what transformers' own default returns: the base model
+    `self.<base_model_prefix>`'s `embed_tokens`, where this class and that model's class are in the file and say so."""
     for fn in cls.body.body:
         if m.matches(fn, m.FunctionDef(name=m.Name("get_input_embeddings"))):
             returns = m.findall(fn, m.Return(value=m.Attribute()))
@@ -387,7 +389,45 @@ def _embedding_path(cls: cst.ClassDef) -> str | None:
                 parts = cst.Module(body=[]).code_for_node(cst.ensure_type(returns[0], cst.Return).value).split(".")  # type: ignore[arg-type]
                 if parts[0] == "self" and len(parts) > 1 and all(p.isidentifier() for p in parts):
                     return ".".join(parts[1:])
+            return None
+    classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
+    prefix = _class_constant(cls, classes, "base_model_prefix")
+    model = _init_assignment(cls, prefix) if prefix else None
+    if not m.matches(model, m.Call(func=m.Name())):
+        return None
+    base = classes.get(cst.ensure_type(cst.ensure_type(model, cst.Call).func, cst.Name).value)
+    if base is None or any(_lineage_defines(c, classes, "get_input_embeddings") for c in (cls, base)):
+        return None  # an in-file base answers otherwise: not transformers' default
+    embedding = m.Call(func=m.Attribute(value=m.Name("nn"), attr=m.Name("Embedding")) | m.Name("Embedding"))
+    return f"{prefix}.embed_tokens" if m.matches(_init_assignment(base, "embed_tokens"), embedding) else None
+
+
+def _class_constant(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], name: str) -> str | None:
+    """A string class attribute, `name = "..."`, of `cls` or of its in-file bases (the first that sets it)."""
+    for stmt in cls.body.body:
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(name))])])):
+            value = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign).value
+            return value.evaluated_value if isinstance(value, cst.SimpleString) else None  # type: ignore[return-value]
+    for base in cls.bases:
+        if isinstance(base.value, cst.Name) and base.value.value in classes and base.value.value != cls.name.value:
+            return _class_constant(classes[base.value.value], classes, name)
     return None
+
+
+def _lineage_defines(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], method: str) -> bool:
+    """Whether `cls` or one of its in-file bases defines `method`."""
+    if method in class_methods(cls):
+        return True
+    bases = [b.value.value for b in cls.bases if isinstance(b.value, cst.Name)]
+    return any(_lineage_defines(classes[b], classes, method) for b in bases if b in classes and b != cls.name.value)
+
+
+def _init_assignment(cls: cst.ClassDef, attribute: str) -> cst.BaseExpression | None:
+    """The value of the one `self.<attribute> = ...` in `cls.__init__`, else None."""
+    init = class_methods(cls).get("__init__")
+    target = m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name(attribute)))
+    found = m.findall(init, m.Assign(targets=[target])) if init is not None else []
+    return cst.ensure_type(found[0], cst.Assign).value if len(found) == 1 else None
 
 
 def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module:
@@ -396,12 +436,12 @@ def _tied_keys_as_dict(module: cst.Module, changes: CompatChanges) -> cst.Module
         for stmt in cls.body.body:
             if not m.matches(stmt, TIED_LIST):
                 continue
-            source = _embedding_path(cls)
+            source = _embedding_path(cls, module)
             if source is None:
                 raise RewriteError(
                     f"compat: {cls.name.value}._tied_weights_keys is a list, which transformers 5.x cannot read, "
-                    "and its "
-                    "get_input_embeddings() does not say which weight it is tied to; rerun with --no-compat"
+                    "and neither its get_input_embeddings() nor its base model's "
+                    "`self.embed_tokens = nn.Embedding(...)` says which weight it is tied to; rerun with --no-compat"
                 )
             assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
             elements = cst.ensure_type(assign.value, cst.List).elements
