@@ -31,7 +31,7 @@ from moe_rewrite.codemods import (
     rmsnorm,
     rope,
 )
-from moe_rewrite.errors import InternalError, RewriteError
+from moe_rewrite.errors import InternalError, NotMoeFileError, Refusals, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
@@ -54,6 +54,9 @@ CODEMODS: list[Codemod] = [
     expert_layout,
     block,
 ]
+# The codemods that decide whether the MoE layer can be rewritten: their reasons for refusing a file come first, as
+# the others' (compat, attention, ...) only matter once the MoE layer can be rewritten.
+MOE_FORM: tuple[Codemod, ...] = (moe_forward, expert_mlp, gate, expert_layout, block)
 RESULT_READS: tuple[Field, ...] = (
     "moe",
     "compat",
@@ -97,9 +100,10 @@ class RewriteResult:
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
-    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot, InternalError when
-    moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits: a UTF-8 byte-order mark and
-    the file's last line break stay as they were.
+    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot: NotMoeFileError
+    alone for a file that is not a DeepSeek-family MoE file, else Refusals with every codemod's reason, the MoE form's
+    first; InternalError when moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits:
+    a UTF-8 byte-order mark and the file's last line break stay as they were.
 
     A file that holds this rewrite already, reformatted since (black, `ruff format`), is up to date: `changed` is
     False and `text` is the input, so that --check, --in-place and the pre-commit hooks agree with a formatter
@@ -192,6 +196,22 @@ def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
     context = Context(options)
     module = block.strip(module)
+    refused: list[tuple[Codemod, str]] = []
+    missing: set[str] = set()  # what the refused codemods did not provide
     for codemod in CODEMODS:
-        module = codemod.transform(module, context)
+        if missing & set(codemod.READS):
+            continue  # its input is missing: the refusal that left it out is the reason
+        sections = set(context.sections)
+        try:
+            module = codemod.transform(module, context)
+        except NotMoeFileError:
+            raise  # not a DeepSeek-family file at all: nothing else to say about it
+        except RewriteError as e:
+            # say every reason in one run: go on with the module as it was before this codemod
+            refused.append((codemod, str(e)))
+            missing |= set(codemod.PROVIDES)
+            context.sections = sections
+    if refused:
+        moe_first = sorted(refused, key=lambda item: item[0] not in MOE_FORM)  # stable: CODEMODS order within each
+        raise Refusals([reason for _, reason in moe_first])
     return module.code, context
