@@ -91,6 +91,8 @@ class RewriteResult:
     form: str  # "v3" or "v2"
     moe_class: str
     gate_class: str
+    options: RewriteOptions  # the options the file was rewritten with: the caller's, with what its form chose
+    chosen: tuple[str, ...] = ()  # the options chosen for the file (an explicit option it needs), a line each
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
     attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
@@ -137,6 +139,8 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         form=moe.form,
         moe_class=moe.name,
         gate_class=moe.gate_class or "",
+        options=context.options,
+        chosen=tuple(context.chosen),
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
         attention=tuple(context.attention_lines()),
