@@ -28,6 +28,7 @@ from moe_rewrite.codemods import (
     init_weights,
     lm_loss,
     moe_forward,
+    no_aux_loss,
     rmsnorm,
     rope,
 )
@@ -51,6 +52,7 @@ CODEMODS: list[Codemod] = [
     moe_forward,
     expert_mlp,
     gate,
+    no_aux_loss,
     expert_layout,
     block,
 ]
