@@ -79,8 +79,11 @@ class Reporter:
         self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
 
     def attention(self, result: RewriteResult) -> None:
-        """Under a file's line: each attention, loss, norm or RoPE left as published and why; with -v also the classes
-        and functions that run SDPA, the fused loss, the fused norm and the fused RoPE."""
+        """Under a file's line: each option chosen for the file, each attention, loss, norm or RoPE left as published
+        and why; with -v also the classes and functions that run SDPA, the fused loss, the fused norm and the fused
+        RoPE."""
+        for line in result.chosen:  # an option the file needs, chosen for it: always said
+            self.info(f"  {line}")
         for line in (*result.attention, *result.loss, *result.norm, *result.rope):
             if " left as published: " in line:
                 self.info(f"  {line}")
@@ -159,7 +162,7 @@ def _publish(
     url = publish.push_to_hub(push, uploaded) if push is not None else None
     written, linked = publish.write_checkpoint(out, checkpoint) if out is not None else ([], [])
     target = f" -> {sources.shown(written[0])}" if written else ""
-    report.info(f"Rewrote {src.name}{target} ({_describe(result, options)})")
+    report.info(f"Rewrote {src.name}{target} ({_describe(result)})")
     report.attention(result)
     report.sections(result)
     if out is not None:
@@ -186,10 +189,11 @@ def _contents(src: sources.Source, copied: int, linked: list[Path]) -> str:
     return ", ".join(parts)
 
 
-def _describe(result: RewriteResult, options: RewriteOptions) -> str:
+def _describe(result: RewriteResult) -> str:
+    """The form, its classes, the options the file was rewritten with (those chosen for it too) and compat's edits."""
     gate = f" + {result.gate_class}" if result.form == "v3" else ""
     changed = f"; {result.compat}" if result.compat else ""
-    return f"{result.form.upper()} form, {result.moe_class}{gate}; {options.describe()}{changed}"
+    return f"{result.form.upper()} form, {result.moe_class}{gate}; {result.options.describe()}{changed}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -283,12 +287,13 @@ def _describe(result: RewriteResult, options: RewriteOptions) -> str:
 )
 @click.option(
     "--fuse-experts/--no-fuse-experts",
-    default=True,
-    show_default=True,
+    default=None,
     help="Models load with each layer's routed experts fused into two parameters: fastest training, most of "
     "all under FSDP; save_pretrained keeps the checkpoint's per-expert keys; PEFT's LoRA adapts them (target_modules "
     "or target_parameters). --no-fuse-experts keeps the experts' nn.Linear modules, as published, for code that "
-    "needs them as modules (LoRA does not).",
+    "needs them as modules (LoRA does not). [default: fused, unless the file needs per-expert layers (the ESFT form "
+    "trains selected experts): then --no-fuse-experts is chosen and said; an explicit --fuse-experts refuses such a "
+    "file]",
 )
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
@@ -384,7 +389,7 @@ def command(
             if push_to_hub is None
             else publish.Push(
                 push_to_hub,
-                commit_message or publish.default_commit_message(options.describe()),
+                commit_message or publish.default_commit_message(result.options.describe()),
                 create_pr=create_pr,
                 private=private,
                 revision=push_revision,
@@ -480,7 +485,7 @@ def _rewrite_file(
             before = sources.read_text(src.root / "config.json")  # a one-line error if not UTF-8
             click.echo(unified_diff(Path(src.name).parent / "config.json", before, planned.decode()), nl=False)
     if check:
-        report.info(f"would rewrite {src.name} ({_describe(result, options)})")
+        report.info(f"would rewrite {src.name} ({_describe(result)})")
         report.attention(result)
     report.sections(result)
     if in_place:
@@ -489,7 +494,7 @@ def _rewrite_file(
         if not os.access(target, os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
             raise RewriteError(f"{src.name}: cannot be rewritten in place (not writable)")
         publish.write_atomic(target, result.text.encode("utf-8"), mode_from=path)
-        report.info(f"Rewriting {src.name} ({_describe(result, options)})")
+        report.info(f"Rewriting {src.name} ({_describe(result)})")
         report.attention(result)
     return "rewritten"
 

@@ -18,7 +18,9 @@ class RewriteOptions:
     aux_loss: bool = False  # V3 form: the complementary sequence-wise balance loss, weighted by aux_loss_alpha
     bias_update: float | None = None  # V3 form: aux-loss-free balancing, bias += RATE * sign(mean load - load)
     gradient_checkpointing: bool = True  # V3 form: make gradient_checkpointing_enable() checkpoint decoder layers
-    fuse_experts: bool = True  # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts)
+    # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts); None, the default: fused,
+    # unless the file needs per-expert layers, which the rewrite then chooses and says (Context.need_per_expert_layers)
+    fuse_experts: bool | None = None
     compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat.py)
     sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/attention.py)
     fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/lm_loss.py)
@@ -43,7 +45,7 @@ class RewriteOptions:
             parts.append(f"bias-update={self.bias_update:g}")
         if not self.gradient_checkpointing:
             parts.append("no-gradient-checkpointing")
-        if not self.fuse_experts:
+        if self.fuse_experts is False:
             parts.append("no-fuse-experts")
         if not self.compat:
             parts.append("no-compat")

@@ -43,6 +43,7 @@ SECTIONS = {
     "per_expert": "the grouped-GEMM core over per-expert nn.Linear layers (--no-fuse-experts)",
     "aux_loss": "the sequence-wise balance loss (--aux-loss)",
     "bias_update": "aux-loss-free balancing, bias += RATE * sign(mean load - load) (--bias-update)",
+    "no_aux_loss": "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: a clear error, or none (opt-in)",
     "attention": "the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape",
     "lm_loss": "the causal-LM loss in chunks, without float32 logits over the vocabulary, in training with labels",
     "triton_cross_entropy": "the fused loss's cross-entropy rows (logsumexp, loss, gradient in place) in Triton",

@@ -28,10 +28,11 @@ from moe_rewrite.codemods import (
     init_weights,
     lm_loss,
     moe_forward,
+    no_aux_loss,
     rmsnorm,
     rope,
 )
-from moe_rewrite.errors import InternalError, RewriteError
+from moe_rewrite.errors import InternalError, NotMoeFileError, Refusals, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
@@ -51,9 +52,13 @@ CODEMODS: list[Codemod] = [
     moe_forward,
     expert_mlp,
     gate,
+    no_aux_loss,
     expert_layout,
     block,
 ]
+# The codemods that decide whether the MoE layer can be rewritten: their reasons for refusing a file come first, as
+# the others' (compat, attention, ...) only matter once the MoE layer can be rewritten.
+MOE_FORM: tuple[Codemod, ...] = (moe_forward, expert_mlp, gate, expert_layout, block)
 RESULT_READS: tuple[Field, ...] = (
     "moe",
     "compat",
@@ -88,6 +93,8 @@ class RewriteResult:
     form: str  # "v3" or "v2"
     moe_class: str
     gate_class: str
+    options: RewriteOptions  # the options the file was rewritten with: the caller's, with what its form chose
+    chosen: tuple[str, ...] = ()  # the options chosen for the file (an explicit option it needs), a line each
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
     attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
@@ -97,9 +104,10 @@ class RewriteResult:
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
-    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot, InternalError when
-    moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits: a UTF-8 byte-order mark and
-    the file's last line break stay as they were.
+    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot: NotMoeFileError
+    alone for a file that is not a DeepSeek-family MoE file, else Refusals with every codemod's reason, the MoE form's
+    first; InternalError when moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits:
+    a UTF-8 byte-order mark and the file's last line break stay as they were.
 
     A file that holds this rewrite already, reformatted since (black, `ruff format`), is up to date: `changed` is
     False and `text` is the input, so that --check, --in-place and the pre-commit hooks agree with a formatter
@@ -133,6 +141,8 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
         form=moe.form,
         moe_class=moe.name,
         gate_class=moe.gate_class or "",
+        options=context.options,
+        chosen=tuple(context.chosen),
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
         attention=tuple(context.attention_lines()),
@@ -192,6 +202,22 @@ def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
     context = Context(options)
     module = block.strip(module)
+    refused: list[tuple[Codemod, str]] = []
+    missing: set[str] = set()  # what the refused codemods did not provide
     for codemod in CODEMODS:
-        module = codemod.transform(module, context)
+        if missing & set(codemod.READS):
+            continue  # its input is missing: the refusal that left it out is the reason
+        sections = set(context.sections)
+        try:
+            module = codemod.transform(module, context)
+        except NotMoeFileError:
+            raise  # not a DeepSeek-family file at all: nothing else to say about it
+        except RewriteError as e:
+            # say every reason in one run: go on with the module as it was before this codemod
+            refused.append((codemod, str(e)))
+            missing |= set(codemod.PROVIDES)
+            context.sections = sections
+    if refused:
+        moe_first = sorted(refused, key=lambda item: item[0] not in MOE_FORM)  # stable: CODEMODS order within each
+        raise Refusals([reason for _, reason in moe_first])
     return module.code, context

@@ -945,3 +945,43 @@ def test_env_prints_the_versions_before_importing_torch_or_libcst():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "[]\n", proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- every reason at once
+
+# A removed import inside a block (compat refuses it) and a statement between the V2 loop's statements (the MoE
+# rewrite refuses it): two unrelated reasons, compat's found first.
+COMPAT_IN_A_BLOCK = "if True:\n    from transformers.utils.import_utils import is_torch_fx_available\n"
+MOE_REASON = "`y = y * 2.0` sits between"
+COMPAT_REASON = "compat: `from transformers.utils.import_utils import ...` inside a block; rerun with --no-compat"
+
+
+def _two_reasons(text: str) -> str:
+    loop = "            y = torch.empty_like(hidden_states)\n"
+    assert text.count(loop) == 1
+    return COMPAT_IN_A_BLOCK + text.replace(loop, loop + "            y = y * 2.0\n")
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--check", "--diff", "--out"])
+def test_every_reason_is_said_at_once_the_moe_form_one_first(tmp_path, mode):
+    path = tmp_path / MODELING
+    path.write_text(_two_reasons(SMALL_V2.read_text()))
+    before = tree(tmp_path)
+
+    result = run_cli(path, *([mode, tmp_path / "out"] if mode == "--out" else [mode]))
+
+    assert_one_line_error(result, f"{path}: 2 reasons: (1) ", f"; (2) {COMPAT_REASON}")
+    assert result[2].index(MOE_REASON) < result[2].index("(2) compat:")
+    assert tree(tmp_path) == before
+    # each reason alone is the one line it always was
+    assert_one_line_error(run_cli(path, "--check", "--no-compat"), f"{path}: DeepseekV2MoE.forward: ", MOE_REASON)
+    assert "reasons" not in run_cli(path, "--check", "--no-compat")[2]
+
+
+def test_a_file_that_is_not_a_moe_file_is_told_that_alone(tmp_path):
+    """Not a DeepSeek-family file: nothing else is said about it, and --skip-unrecognised still skips it."""
+    dense = tmp_path / MODELING
+    dense.write_text(COMPAT_IN_A_BLOCK + "\n\nclass Foo:\n    def forward(self, x):\n        return x\n")
+    assert_one_line_error(run_cli(dense, "--check"), f"{dense}: {NOT_MOE_MESSAGE}")
+    assert "compat" not in run_cli(dense, "--check")[2]
+    assert run_cli(dense, "--check", "--skip-unrecognised") == (0, "", f"{dense}: {SKIPPED}\n1 file skipped\n")

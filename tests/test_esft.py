@@ -1,7 +1,8 @@
 """DeepSeek's ESFT fork of V2 (expert-specialised fine-tuning): one per-expert loop in training and eval, moe_ep for
 expert parallelism. The stand-in is fixtures/deepseek_v2_esft. Rewritten with --no-fuse-experts (fused experts
-cannot be frozen one by one, so the default is refused), its single-process loop becomes the grouped path in
-training and eval with the same numbers, frozen experts keep no gradient, and the expert-parallel path is kept."""
+cannot be frozen one by one, so the defaults choose it, and --fuse-experts is refused), its single-process loop
+becomes the grouped path in training and eval with the same numbers, frozen experts keep no gradient, and the
+expert-parallel path is kept."""
 
 from __future__ import annotations
 
@@ -18,9 +19,31 @@ ESFT_DIR = ROOT / "fixtures" / "deepseek_v2_esft"
 ATOL = 1e-5
 
 
-def test_fused_experts_are_refused_with_the_option_that_works(tmp_path):
-    assert_one_line_error(run_cli(ESFT_DIR, "--out", tmp_path / "out"), "ESFT form", "--no-fuse-experts")
+def test_fused_experts_asked_for_are_refused_with_the_option_that_works(tmp_path):
+    assert_one_line_error(
+        run_cli(ESFT_DIR, "--out", tmp_path / "out", "--fuse-experts"), "ESFT form", "rewrite with --no-fuse-experts"
+    )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_defaults_choose_per_expert_layers_and_say_so(tmp_path):
+    """The form needs --no-fuse-experts: the defaults choose it, the summary says so, the banner records it, and the
+    output is the --no-fuse-experts one, which a second run with the defaults leaves as it is (--check, --diff,
+    --in-place: the pre-commit hooks)."""
+    code, _, err = run_cli(ESFT_DIR, "--out", tmp_path / "default")
+    assert code == 0, err
+    assert "(ESFT form, DeepseekV2MoE; backend=auto, stacking=stack, no-fuse-experts;" in err
+    assert "\n  experts: per-expert nn.Linear, as with --no-fuse-experts (DeepseekV2MoE.forward: ESFT form:" in err
+    written = tmp_path / "default" / "modeling_deepseek.py"
+    assert "# ---- moe-rewrite " in written.read_text() and "(backend=auto, stacking=stack, no-fuse-experts)" in (
+        written.read_text()
+    )
+    assert run_cli(ESFT_DIR, "--out", tmp_path / "explicit", "--no-fuse-experts")[0] == 0
+    assert written.read_text() == (tmp_path / "explicit" / "modeling_deepseek.py").read_text()
+    before = written.read_text()
+    for mode in ("--check", "--diff", "--in-place"):
+        assert run_cli(written, mode)[:2] == (0, ""), mode
+    assert written.read_text() == before
 
 
 @pytest.fixture(scope="module")

@@ -313,15 +313,23 @@ def test_fused_loading_keeps_layers_it_cannot_fuse_with_a_warning(tmp_path_facto
 @pytest.mark.slow
 def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_path_factory):
     """A file rewritten with the defaults (fused loading), then with --no-fuse-experts, keeps no override that calls a
-    removed helper; fused loading into a file with two model base classes is refused, as it would be ambiguous."""
+    removed helper; fused loading into a file with two model base classes would be ambiguous: the defaults choose
+    per-expert layers for it, and asking for fused experts is refused."""
     from moe_rewrite.options import RewriteOptions
     from moe_rewrite.rewrite import RewriteError, rewrite_source
 
     fused = (patched_checkpoint(tmp_path_factory, "v3") / "modeling_deepseek.py").read_text()
     two_bases = fused + "\n\nclass OtherPreTrainedModel(PreTrainedModel):\n    pass\n"
     with pytest.raises(RewriteError, match="one PreTrainedModel subclass, found 2; rewrite with --no-fuse-experts"):
-        rewrite_source(two_bases, RewriteOptions())
+        rewrite_source(two_bases, RewriteOptions(fuse_experts=True))
+    chosen = rewrite_source(two_bases, RewriteOptions())
+    assert chosen.options == RewriteOptions(fuse_experts=False)
+    assert chosen.chosen == (
+        "experts: per-expert nn.Linear, as with --no-fuse-experts (fused-experts loading needs one PreTrainedModel "
+        "subclass, found 2)",
+    )
     plain = rewrite_source(two_bases, RewriteOptions(fuse_experts=False)).text
+    assert chosen.text == plain
     assert "_moe_rewrite_fuse_model" not in plain and "def save_pretrained" not in plain
     assert "class OtherPreTrainedModel(PreTrainedModel)" in plain
 

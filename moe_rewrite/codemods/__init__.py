@@ -10,6 +10,7 @@ walk of the whole tree per question (index.py). Everything moe-rewrite generates
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, Protocol, TypeVar
@@ -17,6 +18,7 @@ from typing import Literal, Protocol, TypeVar
 import libcst as cst
 import libcst.matchers as m
 
+from moe_rewrite import __version__
 from moe_rewrite.codemods.index import Index
 from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import RewriteOptions
@@ -77,8 +79,9 @@ Field = Literal["moe", "projections", "compat", "attention", "loss", "norm", "ro
 class Context:
     """What the codemods share while one file is rewritten."""
 
-    options: RewriteOptions
+    options: RewriteOptions  # the caller's, with what the file's form chose (need_per_expert_layers)
     sections: set[str] = field(default_factory=set)  # runtime sections the generated block must hold
+    chosen: list[str] = field(default_factory=list)  # the options chosen for the file, a summary line each
     moe: MoeClassInfo | None = None  # filled by moe_forward
     # filled by expert_mlp: the routed experts' (gate, up, down) projection names, read from their forward's use
     projections: tuple[str, str, str] | None = None
@@ -102,6 +105,19 @@ class Context:
         if self.projections is None:
             raise InternalError("the experts' projections were read before expert_mlp proved them")
         return self.projections
+
+    def need_per_expert_layers(self, why: str) -> None:
+        """The file cannot have fused experts (`why`, "Class.method: reason"): --no-fuse-experts is chosen for it
+        where the caller left the layout to moe-rewrite, said in the summary and written into the banner (so that a
+        second run is a no-op); where the caller asked for fused experts, the file is refused."""
+        if self.options.fuse_experts:
+            raise RewriteError(f"{why}; rewrite with --no-fuse-experts")
+        if self.options.fuse_experts is None:
+            chosen = dataclasses.replace(self.options, fuse_experts=False)
+            if chosen.as_dict(__version__) != self.options.as_dict(__version__):  # what the sections are rendered with
+                self.rendered.clear()
+            self.options = chosen
+            self.chosen.append(f"experts: per-expert nn.Linear, as with --no-fuse-experts ({why})")
 
     def moe_class(self) -> MoeClassInfo:
         if self.moe is None:  # CODEMODS' order is checked against READS, so only a bug gets here

@@ -17,45 +17,50 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods import Context, Field, is_generated_method, marked, replace
-from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("projections",)
 PROVIDES: tuple[Field, ...] = ()
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
+SHARED = ["expert_linears", "parameter_lora", "fused_experts", "fused_checkpoint"]  # both layouts' sections
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
-    fuse = context.options.fuse_experts
-    layout = [
-        "expert_linears",
-        "parameter_lora",
-        "fused_experts",
-        "fused_checkpoint",
-        "fused_loading" if fuse else "per_expert",
-    ]
-    context.sections |= set(layout)
     classes = [
         s
         for s in module.body
         if isinstance(s, cst.ClassDef) and any(m.matches(b.value, PRETRAINED_BASE) for b in s.bases)
     ]
-    if len(classes) > 1 and fuse:
-        raise RewriteError(
-            f"fused-experts loading needs one PreTrainedModel subclass, found {len(classes)}; "
-            "rewrite with --no-fuse-experts"
+    fused = _methods([*SHARED, "fused_loading"], module, context)
+    if len(classes) > 1:
+        context.need_per_expert_layers(
+            f"fused-experts loading needs one PreTrainedModel subclass, found {len(classes)}"
         )
-    methods = [marked(method) for name in layout for method in context.section(name, module).model_methods]
+    elif classes and (clashes := _defined(classes[0], context) & {method.name.value for method in fused}):
+        context.need_per_expert_layers(
+            f"{classes[0].name.value} defines {', '.join(sorted(clashes))} itself, where moe-rewrite adds its own for "
+            "fused experts"
+        )
+    layout = [*SHARED, "fused_loading" if context.options.fuse_experts is not False else "per_expert"]
+    context.sections |= set(layout)
+    methods = _methods(layout, module, context)
     for cls in classes:  # earlier generated methods go everywhere; new ones only into a single base class
         body = [s for s in cls.body.body if not is_generated_method(s, context.index)]
         if len(classes) == 1:
-            defined = {s.name.value for s in body if isinstance(s, cst.FunctionDef)}
-            clashes = defined & {method.name.value for method in methods}
-            if clashes and fuse:
-                raise RewriteError(
-                    f"{cls.name.value} defines {', '.join(sorted(clashes))} itself, where moe-rewrite "
-                    "adds its own for fused experts; rewrite with --no-fuse-experts"
-                )
+            defined = _defined(cls, context)
             body += [method for method in methods if method.name.value not in defined]
         new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
         module = replace(module, cls, new_cls)
     return module
+
+
+def _methods(layout: list[str], module: cst.Module, context: Context) -> list[cst.FunctionDef]:
+    return [marked(method) for name in layout for method in context.section(name, module).model_methods]
+
+
+def _defined(cls: cst.ClassDef, context: Context) -> set[str]:
+    """The class's own methods, not those an earlier run generated."""
+    return {
+        s.name.value
+        for s in cls.body.body
+        if isinstance(s, cst.FunctionDef) and not is_generated_method(s, context.index)
+    }

@@ -749,11 +749,6 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
         raise RewriteError(
             f"{where}: --aux-loss and --bias-update apply to the V3 form; this ESFT-form file trains its own aux loss"
         )
-    if options.fuse_experts:
-        raise RewriteError(
-            f"{where}: ESFT form: it trains selected experts (requires_grad per expert), which fused experts cannot "
-            "express; rewrite with --no-fuse-experts"
-        )
     branch = cst.ensure_type(_esft_branch(forward), cst.If)
     if m.findall(branch.body, MOE_TRAIN_CALL):
         return forward  # already rewritten
@@ -781,6 +776,11 @@ def _rewrite_esft(forward: cst.FunctionDef, options: RewriteOptions, where: str)
 def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = find_moe_class(module)
     _refuse_overriding_subclasses(module, moe)
+    if "moe_infer" not in class_methods(moe):  # the ESFT form (rewrite_forward)
+        context.need_per_expert_layers(
+            f"{moe.name.value}.forward: ESFT form: it trains selected experts (requires_grad per expert), which "
+            "fused experts cannot express"
+        )
     forward, form = rewrite_forward(moe, context.options, module)
     old_forward = class_methods(moe)["forward"]
     new_moe = moe.with_changes(

@@ -20,5 +20,7 @@ sections it needs and imports nothing from moe-rewrite.
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
     fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default)
     per_expert         --no-fuse-experts: the seam over per-expert nn.Linear layers
+    no_aux_loss        the published AddAuxiliaryLoss where aux_loss_alpha = 0 gives None: a clear error, or no aux
+                       loss (config.moe_rewrite_train_without_aux_loss)
     aux_loss, bias_update, checkpoint_layer, init_guards, compat_*: the options and transformers compatibility
 """
