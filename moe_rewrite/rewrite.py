@@ -203,9 +203,10 @@ def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
     context = Context(options)
     module = block.strip(module)
     refused: list[tuple[Codemod, str]] = []
-    missing: set[str] = set()  # what the refused codemods did not provide
+    missing: set[str] = set()  # what the refused codemods, and those they left without input, did not provide
     for codemod in CODEMODS:
         if missing & set(codemod.READS):
+            missing |= set(codemod.PROVIDES)
             continue  # its input is missing: the refusal that left it out is the reason
         sections = set(context.sections)
         try:
