@@ -58,7 +58,7 @@ EXPERTS_ITER = "                    for _ in range(config.n_routed_experts)\n   
 
 @dataclass(frozen=True)
 class Mutation:
-    form: str  # "v2", "v3" or "esft"
+    form: str  # "v2", "v3", "esft", "kimi" or "v1"
     name: str
     expect: str  # "exact" or "refused"
     edits: tuple[tuple[str, str], ...]  # (old, new) text replacements, each old found exactly once
@@ -72,11 +72,15 @@ class Mutation:
     attention: str = ""
     # the experts' (gate, up, down) projections as the variant's expert MLP uses them (for its gradients' names)
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # config.json keys the variant sets (the published file reads one the stand-in's config leaves out)
+    config: tuple[tuple[str, object], ...] = ()
 
     @property
     def fixture(self) -> Path:
         if self.form == "kimi":
             return FIXTURES / "kimi"
+        if self.form == "v1":
+            return FIXTURES / "deepseek_moe"
         return FIXTURES / ("deepseek_v2_esft" if self.form == "esft" else f"deepseek_{self.form}")
 
     @property

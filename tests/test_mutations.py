@@ -1,11 +1,13 @@
-"""Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py): each variant is either refused
-(exit 2, one line, nothing written) or rewritten, and then one training step gives the variant's own numbers, loss and
-every gradient: V2 and ESFT forms, their own per-expert loop; V3 form, its own eval branch run with gradients (its MoE
-layers in eval mode, moe_infer without its no_grad). Variants rewritten with options that change training on purpose
-(--aux-loss, --bias-update) are checked against the unedited stand-in rewritten with the same options."""
+"""Exact or refused, on hand-edited variants of the stand-ins (tests/mutations.py, mutations_kimi.py, mutations_v1.py):
+each variant is either refused (exit 2, one line, nothing written) or rewritten, and then one training step gives the
+variant's own numbers, loss and every gradient: V2, V1 and ESFT forms, their own per-expert loop; V3 form, its own eval
+branch run with gradients (its MoE layers in eval mode, moe_infer without its no_grad). Variants rewritten with options
+that change training on purpose (--aux-loss, --bias-update) are checked against the unedited stand-in rewritten with
+the same options."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -17,6 +19,7 @@ from conftest import assert_one_line_error, build_model, per_expert_grads, run_c
 from helpers import SigmoidCopied, eval_branch_with_grads  # noqa: E402
 from mutations import MUTATIONS, variant_text  # noqa: E402
 from mutations_kimi import KIMI_MUTATIONS  # noqa: E402
+from mutations_v1 import V1_MUTATIONS  # noqa: E402
 
 ATOL = 1e-5  # fp32, the same sums in another order
 
@@ -28,12 +31,15 @@ def _train_step(model, ids, projections=("gate_proj", "up_proj", "down_proj")) -
     return loss.item(), per_expert_grads(grads, projections)
 
 
-@pytest.mark.parametrize("mutation", MUTATIONS + KIMI_MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
+@pytest.mark.parametrize("mutation", MUTATIONS + KIMI_MUTATIONS + V1_MUTATIONS, ids=lambda mu: f"{mu.form}_{mu.name}")
 def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
     variant = tmp_path / f"variant_{mutation.form}_{mutation.name}"  # one module cache entry per variant
     shutil.copytree(mutation.fixture, variant)
     text = variant_text(mutation)
     (variant / mutation.modeling).write_text(text)
+    if mutation.config:
+        config = json.loads((variant / "config.json").read_text())
+        (variant / "config.json").write_text(json.dumps(config | dict(mutation.config), indent=2))
     out = tmp_path / f"rewritten_{mutation.form}_{mutation.name}"
     result = run_cli(variant, "--out", out, *mutation.options)
     if mutation.expect == "refused":
