@@ -219,6 +219,12 @@ def single_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return found[0] if len(found) == 1 else None
 
 
+def reads(node: cst.CSTNode, name: str) -> bool:
+    """Whether `node` reads `name` (any use but as the plain target of an assignment)."""
+    stores = m.findall(node, m.AssignTarget(target=m.Name(name)))
+    return len(m.findall(node, m.Name(name))) > len(stores)
+
+
 def one_line(node: cst.CSTNode) -> str:
     """A statement or expression on one line (its first line, then ` ...`), for an error message."""
     text = cst.Module(body=[]).code_for_node(node).strip()
@@ -228,6 +234,21 @@ def one_line(node: cst.CSTNode) -> str:
 def top_classes(module: cst.Module) -> dict[str, cst.ClassDef]:
     """The file's top-level classes by name."""
     return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+def in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
+    """The class and its bases defined in the file, nearest first."""
+    classes = top_classes(module)
+    lineage, todo = [], [cls]
+    while todo:
+        current = todo.pop(0)
+        if current in lineage:
+            continue
+        lineage.append(current)
+        todo += [
+            classes[b.value.value] for b in current.bases if isinstance(b.value, cst.Name) and b.value.value in classes
+        ]
+    return lineage
 
 
 def class_methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:

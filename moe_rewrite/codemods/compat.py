@@ -40,7 +40,17 @@ from collections.abc import Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, CompatChanges, Context, Field, body_lines, class_methods, replace
+from moe_rewrite.codemods import (
+    MARK,
+    CompatChanges,
+    Context,
+    Field,
+    body_lines,
+    class_methods,
+    in_file_lineage,
+    replace,
+    top_classes,
+)
 from moe_rewrite.codemods.index import Index
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.render import render_statements
@@ -390,36 +400,30 @@ def _embedding_path(cls: cst.ClassDef, module: cst.Module) -> str | None:
                 if parts[0] == "self" and len(parts) > 1 and all(p.isidentifier() for p in parts):
                     return ".".join(parts[1:])
             return None
-    classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
-    prefix = _class_constant(cls, classes, "base_model_prefix")
+    classes = top_classes(module)
+    prefix = _class_constant(in_file_lineage(cls, module), "base_model_prefix")
     model = _init_assignment(cls, prefix) if prefix else None
     if not m.matches(model, m.Call(func=m.Name())):
         return None
     base = classes.get(cst.ensure_type(cst.ensure_type(model, cst.Call).func, cst.Name).value)
-    if base is None or any(_lineage_defines(c, classes, "get_input_embeddings") for c in (cls, base)):
+    if base is None:
+        return None
+    if any(
+        "get_input_embeddings" in class_methods(c)
+        for c in [*in_file_lineage(cls, module), *in_file_lineage(base, module)]
+    ):
         return None  # an in-file base answers otherwise: not transformers' default
     embedding = m.Call(func=m.Attribute(value=m.Name("nn"), attr=m.Name("Embedding")) | m.Name("Embedding"))
     return f"{prefix}.embed_tokens" if m.matches(_init_assignment(base, "embed_tokens"), embedding) else None
 
 
-def _class_constant(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], name: str) -> str | None:
-    """A string class attribute, `name = "..."`, of `cls` or of its in-file bases (the first that sets it)."""
-    for stmt in cls.body.body:
-        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(name))])])):
-            value = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign).value
-            return value.evaluated_value if isinstance(value, cst.SimpleString) else None  # type: ignore[return-value]
-    for base in cls.bases:
-        if isinstance(base.value, cst.Name) and base.value.value in classes and base.value.value != cls.name.value:
-            return _class_constant(classes[base.value.value], classes, name)
+def _class_constant(lineage: list[cst.ClassDef], name: str) -> str | None:
+    """A string class attribute, `name = "..."`, of the first class in `lineage` that sets it."""
+    assign = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(name))])])
+    for stmt in (s for cls in lineage for s in cls.body.body if m.matches(s, assign)):
+        value = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign).value
+        return value.evaluated_value if isinstance(value, cst.SimpleString) else None  # type: ignore[return-value]
     return None
-
-
-def _lineage_defines(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], method: str) -> bool:
-    """Whether `cls` or one of its in-file bases defines `method`."""
-    if method in class_methods(cls):
-        return True
-    bases = [b.value.value for b in cls.bases if isinstance(b.value, cst.Name)]
-    return any(_lineage_defines(classes[b], classes, method) for b in bases if b in classes and b != cls.name.value)
 
 
 def _init_assignment(cls: cst.ClassDef, attribute: str) -> cst.BaseExpression | None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, replace
+from moe_rewrite.codemods import Context, Field, reads, replace
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
@@ -156,7 +156,7 @@ def out_of_place_view_adds(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
             body.append(stmt)
             continue
         view = _view_base(stmts[i - 1], stmt) if i else None
-        if view is None or any(_reads(s, view[1]) for s in stmts[: i - 1]):
+        if view is None or any(reads(s, view[1]) for s in stmts[: i - 1]):
             code = cst.Module(body=[]).code_for_node(cst.ensure_type(m.findall(stmt, m.AugAssign())[0], cst.AugAssign))
             raise RewriteError(
                 f"{where}: `{code.strip()}` changes a tensor in place, which autograd may refuse in training; "
@@ -195,12 +195,6 @@ def _view_base(previous: cst.BaseStatement, stmt: cst.BaseStatement) -> tuple[st
     name = cst.ensure_type(assign.targets[0].target, cst.Name).value
     base = cst.ensure_type(cst.ensure_type(cst.ensure_type(assign.value, cst.Call).func, cst.Attribute).value, cst.Name)
     aug = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.AugAssign)
-    if cst.ensure_type(aug.target, cst.Name).value != name or base.value == name or _reads(aug.value, name):
+    if cst.ensure_type(aug.target, cst.Name).value != name or base.value == name or reads(aug.value, name):
         return None
     return name, base.value
-
-
-def _reads(node: cst.CSTNode, name: str) -> bool:
-    """Whether `node` reads `name` (any use but as the plain target of an assignment)."""
-    stores = m.findall(node, m.AssignTarget(target=m.Name(name)))
-    return len(m.findall(node, m.Name(name))) > len(stores)

@@ -48,7 +48,16 @@ from collections.abc import Callable, Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, MoeClassInfo, class_methods, one_line, top_classes
+from moe_rewrite.codemods import (
+    Context,
+    Field,
+    MoeClassInfo,
+    class_methods,
+    in_file_lineage,
+    one_line,
+    reads,
+    top_classes,
+)
 from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
 from moe_rewrite.codemods.moe_infer_body import check_moe_infer
 from moe_rewrite.errors import NotMoeFileError, RewriteError
@@ -348,11 +357,11 @@ def _refuse_helpers_reading_training(
         if owner is None:
             return None, None  # type: ignore[return-value]
         methods: dict[str, cst.FunctionDef] = {}
-        for cls in reversed(_in_file_lineage(owner, module)):  # a class's own methods win over its bases'
+        for cls in reversed(in_file_lineage(owner, module)):  # a class's own methods win over its bases'
             methods |= class_methods(cls)
         if name in methods:
             return methods[name], owner
-        for init in (class_methods(c).get("__init__") for c in _in_file_lineage(owner, module)):
+        for init in (class_methods(c).get("__init__") for c in in_file_lineage(owner, module)):
             assign = m.Assign(
                 targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))],
                 value=m.Call(func=m.Name()),
@@ -384,26 +393,11 @@ def _refuse_helpers_reading_training(
                 todo.append((target, target_owner, (*chain, name)))
 
 
-def _in_file_lineage(cls: cst.ClassDef, module: cst.Module) -> list[cst.ClassDef]:
-    """The class and its bases defined in the file, nearest first."""
-    classes = top_classes(module)
-    lineage, todo = [], [cls]
-    while todo:
-        current = todo.pop(0)
-        if current in lineage:
-            continue
-        lineage.append(current)
-        todo += [
-            classes[b.value.value] for b in current.bases if isinstance(b.value, cst.Name) and b.value.value in classes
-        ]
-    return lineage
-
-
 def _refuse_overriding_subclasses(module: cst.Module, moe: cst.ClassDef) -> None:
     """A class of the file deriving from the MoE class (directly or through other classes of the file) that overrides
     forward or moe_infer would run its own code where moe-rewrite proved the MoE class's: refused by name."""
     for cls in module.body:
-        if not isinstance(cls, cst.ClassDef) or cls is moe or moe not in _in_file_lineage(cls, module):
+        if not isinstance(cls, cst.ClassDef) or cls is moe or moe not in in_file_lineage(cls, module):
             continue
         overrides = sorted({"forward", "moe_infer", "moe_train", "moe_rewrite_infer"} & class_methods(cls).keys())
         if overrides:
@@ -441,12 +435,6 @@ def _assigned_in(node: cst.CSTNode) -> set[str]:
     targets += [t.target for t in m.findall(node, m.AugAssign() | m.AnnAssign() | m.For() | m.NamedExpr())]  # type: ignore[attr-defined]
     targets += [a.name for a in m.findall(node, m.AsName())]  # type: ignore[attr-defined]
     return set().union(*(_bound(t) for t in targets)) if targets else set()
-
-
-def _reads(node: cst.CSTNode, name: str) -> bool:
-    """Whether `node` reads `name` (any use but as the plain target of an assignment)."""
-    stores = [t for t in m.findall(node, m.AssignTarget(target=m.Name(name)))]
-    return len(m.findall(node, m.Name(name))) > len(stores)
 
 
 def _uses_beyond_dtype(node: cst.CSTNode, name: str) -> bool:
@@ -502,7 +490,11 @@ def _rewrite_v2_training_body(
             "y[idx == i] = expert(x[idx == i])`"
         )
     y, flat, tokens = found
-    ids = _flat_source(forward, branch, flat, where)
+    ids = _flat_source(forward, branch, flat)
+    if ids is None:
+        raise RewriteError(
+            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`"
+        )
     weights = _sum_weights(stmts[loop + 1 :], y) or "topk_weight"
     repeat = f"{tokens} = {tokens}.repeat_interleave(self.num_experts_per_tok, dim=0)"
     known = {
@@ -536,7 +528,7 @@ def _rewrite_v2_training_body(
     r, b, total = known["repeat"][0], known["buffer"][0], known["sum"][0]
     if not r < b:
         raise RewriteError(f"{where}: `{repeat}` should come before `{one_line(stmts[b])}`")
-    _check_flat_ids(forward, branch, flat, ids, where)
+    _check_ids_from_gate(forward, ids, where)
     out = _assign_target(stmts[total])
     kept_before, kept_after = [], []
     buffer_live = out != y  # after the sum, `y` still names the loop's buffer until something assigns it
@@ -552,7 +544,7 @@ def _rewrite_v2_training_body(
                 )
             kept_before.append(stmt)
         else:
-            if _uses_beyond_dtype(stmt, tokens) or (buffer_live and _reads(stmt, y)):
+            if _uses_beyond_dtype(stmt, tokens) or (buffer_live and reads(stmt, y)):
                 raise RewriteError(
                     f"{where}: `{one_line(stmt)}` reads the per-expert copies of the tokens; "
                     "moe-rewrite cannot keep it exactly"
@@ -598,15 +590,13 @@ FLAT_VIEW = m.Call(
 )
 
 
-def _flat_source(forward: cst.FunctionDef, branch: cst.If, flat: str, where: str) -> str:
-    """ids of the one `flat = ids.view(-1)` (or `.reshape(-1)`) before the branch; refused otherwise."""
+def _flat_source(forward: cst.FunctionDef, branch: cst.If, flat: str) -> str | None:
+    """ids of the one `flat = ids.view(-1)` (or `.reshape(-1)`) before the branch, else None."""
     body = list(forward.body.body)
     defs = [s for s in body if flat in _assigned_in(s)]
     pattern = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(flat))], value=FLAT_VIEW)])
     if len(defs) != 1 or defs[0] not in body[: body.index(branch)] or not m.matches(defs[0], pattern):
-        raise RewriteError(
-            f"{where}: the experts loop's ids `{flat}` should be assigned once, as `{flat} = topk_idx.view(-1)`"
-        )
+        return None
     view = cst.ensure_type(cst.ensure_type(defs[0], cst.SimpleStatementLine).body[0], cst.Assign).value
     return cst.ensure_type(cst.ensure_type(cst.ensure_type(view, cst.Call).func, cst.Attribute).value, cst.Name).value
 
@@ -631,10 +621,7 @@ def _check_eval_args(
         expected = f"{tokens}, {ids}.view(-1), {weights}.view(-1, 1)"
         flat_ids = _same_expression(second, f"{ids}.view(-1)", f"{ids}.reshape(-1)")
         if isinstance(second, cst.Name) and second.value != ids:
-            try:
-                flat_ids = _flat_source(forward, branch, second.value, where) == ids
-            except RewriteError:
-                flat_ids = False
+            flat_ids = _flat_source(forward, branch, second.value) == ids
         ok = (
             isinstance(first, cst.Name)
             and first.value == tokens
@@ -659,9 +646,8 @@ def _statements_after(forward: cst.FunctionDef, branch: cst.If) -> list[cst.Base
     return body[body.index(branch) + 1 :]
 
 
-def _check_flat_ids(forward: cst.FunctionDef, branch: cst.If, flat: str, ids: str, where: str) -> None:
-    """The loop's expert ids `flat` (proved `flat = ids.view(-1)` by _flat_source) come from topk_idx assigned only by
-    the gate: moe_train gets topk_idx."""
+def _check_ids_from_gate(forward: cst.FunctionDef, ids: str, where: str) -> None:
+    """The ids the loop's flat ids view (_flat_source) are assigned only by the gate: moe_train gets topk_idx."""
     body = list(forward.body.body)
     if [s for s in body if ids in _assigned_in(s) and not m.findall(s, SELF_GATE_CALL)]:
         raise RewriteError(f"{where}: `{ids}` is assigned again after the gate; moe-rewrite cannot keep it exactly")
