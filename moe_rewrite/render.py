@@ -29,6 +29,7 @@ SECTIONS = {
     "expert_output": "act_fn(gate) * up, the down GEMM and the weighted combine as one autograd node",
     "backends": "the expert MLPs outside the grouped GEMMs: SonicMoE's kernels and the per-expert loop",
     "moe_train": "MoE.moe_train: the routed experts in training mode, LoRA adapters' GEMMs included",
+    "expert_parallel": "expert parallelism (ep_size > 1): rows to the ranks holding their experts and back, all-to-all",
     "triton_block": "the column block of the row-wise Triton kernels",
     "triton_route": "the route in one Triton launch",
     "triton_gather": "the gather of each token's row to its top-k places in Triton",
@@ -57,7 +58,7 @@ SECTIONS = {
 }
 # The core's sections: moe_train and everything it calls, which every rewritten MoE layer needs
 CORE_SECTIONS = frozenset(
-    ["dispatch", "route", "grouped_linear", "expert_output", "backends", "moe_train"]
+    ["dispatch", "route", "grouped_linear", "expert_output", "backends", "moe_train", "expert_parallel"]
     + ["triton_block", "triton_route", "triton_gather", "triton_swiglu", "triton_sum_rows", "triton_gemm"]
 )
 # What a section may import at module level, since the import is not copied: the names every file moe-rewrite rewrites

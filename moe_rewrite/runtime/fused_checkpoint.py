@@ -28,7 +28,8 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
     a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
     some are reported missing."""
     projections = list(enumerate(MOE_REWRITE_PROJECTIONS))  # (role, name): role 0 gate, 1 up, 2 down
-    keys = [(i, role, f"{prefix}{i}.{name}.weight") for i in range(len(module)) for role, name in projections]
+    first = module.first_expert  # the keys number the layer's experts; a rank under expert parallelism holds some
+    keys = [(i, role, f"{prefix}{first + i}.{name}.weight") for i in range(len(module)) for role, name in projections]
     found = [key for key in keys if key[2] in state_dict]
     if not found:
         return

@@ -6,6 +6,7 @@ are converted by fused_checkpoint.py.
 import torch
 
 from .backends import _moe_rewrite_loop
+from .dispatch import _moe_rewrite_compute_dtype, _moe_rewrite_kernel
 from .expert_linears import (
     MOE_REWRITE_PROJECTIONS,
     _moe_rewrite_adapters,
@@ -15,6 +16,7 @@ from .expert_linears import (
 )
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
 from .grouped_linear import _MoeRewriteExpertMLP, _MoeRewriteExpertWeight
+from .moe_train import _moe_rewrite_grouped_experts
 from .parameter_lora import _moe_rewrite_load_expert_lora, _moe_rewrite_parameter_adapters, _moe_rewrite_unwrap
 
 
@@ -31,16 +33,19 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     (parameter_lora.py). state_dict() uses the parameters' own names, as FSDP and torch.distributed.checkpoint expect;
     load_state_dict also takes the checkpoint's per-expert keys (experts.{i}.gate_proj.weight, ...), and the model's
     save_pretrained writes them.
+
+    Under expert parallelism a rank holds experts first_expert, first_expert + 1, ... of the layer: the views, the
+    checkpoint keys and PEFT's names keep those global numbers; len(), iteration and experts[i] count the held ones.
     """
 
-    def __init__(self, act_fn, gate_w, up_w, down_w):
+    def __init__(self, act_fn, gate_w, up_w, down_w, first_expert=0):
         super().__init__()
-        self.act_fn = act_fn
+        self.act_fn, self.first_expert = act_fn, first_expert
         gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
         self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
         self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
         for i in range(len(gate_w)):
-            self.add_module(str(i), _MoeRewriteFusedExpert(self, i))
+            self.add_module(str(first_expert + i), _MoeRewriteFusedExpert(self, i))
         # The views and their projections as made, for _moe_rewrite_own_projections (a plain attribute, not a module)
         self._moe_rewrite_made = _MoeRewriteMadeViews(self, len(gate_w))
         self.register_load_state_dict_pre_hook(_moe_rewrite_merge_experts)
@@ -51,10 +56,10 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
     def __getitem__(self, index):
         if not -len(self) <= index < len(self):
             raise IndexError(f"expert {index} out of range for {len(self)} experts")
-        return self._modules[str(index % len(self))]
+        return self._modules[str(self.first_expert + index % len(self))]
 
     def __iter__(self):
-        return (self._modules[str(i)] for i in range(len(self)))
+        return (self._modules[str(self.first_expert + i)] for i in range(len(self)))
 
     def __repr__(self):  # one line, not one per expert view
         return f"{type(self).__name__}({self.extra_repr()})"
@@ -64,8 +69,19 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
     def forward(self, x, topk_ids, topk_weight):
-        """The experts' weighted outputs, expert by expert through the views (what PEFT's wrappers call, with their
-        adapters applied to the parameters, when the grouped-GEMM core cannot reproduce them)."""
+        """The experts' weighted outputs (topk_ids count the held experts from 0): through the grouped-GEMM core where
+        it runs them (the expert-parallel path calls this, so that FSDP2 gathers experts sharded on their own), else
+        expert by expert through the views (also what PEFT's wrappers call, with their adapters applied to the
+        parameters, when the core cannot reproduce them)."""
+        if x.shape[0] == 0:  # no row (a rank that received none): an empty output, in the graph for backward
+            hidden = self.down_proj.shape[1]
+            return x.new_zeros(0, hidden) + x.sum() + self.gate_up_proj[:0].sum() + self.down_proj[:0].sum()
+        dtype = _moe_rewrite_compute_dtype(x)
+        kernel = _moe_rewrite_kernel(x.device, dtype)
+        parametrized = torch.nn.utils.parametrize.is_parametrized(self)  # PEFT's target_parameters, merged weights
+        weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights()
+        if weights is not None:
+            return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, None)
         return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
 
     def moe_rewrite_weights(self, wrappers=()):
@@ -121,7 +137,7 @@ class _MoeRewriteMadeViews:
     __slots__ = ("keys", "views", "view_modules", "own", "flat", "flat_modules")
 
     def __init__(self, experts, count):
-        self.keys = tuple(str(i) for i in range(count))
+        self.keys = tuple(str(experts.first_expert + i) for i in range(count))
         self.views = [experts._modules[key] for key in self.keys]
         self.view_modules = [view._modules for view in self.views]
         self.own = [tuple(view._modules[name] for name in MOE_REWRITE_PROJECTIONS) for view in self.views]
@@ -184,6 +200,24 @@ def _moe_rewrite_warn_unfused(reason=None):
     warnings.warn(message, stacklevel=4)
 
 
+def _moe_rewrite_held_experts(moe):
+    """(the experts this rank holds as an nn.ModuleList, the first one's number): all of them, or under expert
+    parallelism (ep_size > 1: the published __init__ leaves the other ranks' experts None) this rank's block, which
+    must be experts [ep_rank * E / ep, (ep_rank + 1) * E / ep), the ones expert_parallel.py sends it rows for."""
+    experts, ep = moe.experts, getattr(moe, "ep_size", 1)  # V1-form classes have no ep_size
+    if ep <= 1:
+        return experts, 0
+    count = moe.config.n_routed_experts // ep
+    first = moe.ep_rank * count
+    held = [i for i, expert in enumerate(experts) if expert is not None]
+    if held != list(range(first, first + count)) or len(experts) != moe.config.n_routed_experts:
+        raise RuntimeError(
+            f"moe-rewrite: under expert parallelism this rank should hold experts {first} to {first + count - 1} of "
+            f"{moe.config.n_routed_experts}, and holds {len(held)} others"
+        )
+    return torch.nn.ModuleList([experts[i] for i in held]), first
+
+
 class MoE:
     def moe_rewrite_expert_weights(self):
         """The experts' weights for the grouped-GEMM core, a _MoeRewriteExpertMLP, or None: the per-expert
@@ -211,10 +245,9 @@ class MoE:
         experts = self.experts
         if isinstance(experts, _MoeRewriteFusedExperts):
             return experts
-        if getattr(self, "ep_size", 1) > 1:  # V1-form classes have no ep_size: no expert parallelism
-            raise NotImplementedError("moe-rewrite: fused experts do not support expert parallelism (ep_size > 1) yet")
         if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
             raise NotImplementedError("moe-rewrite: fused experts do not support pretraining_tp > 1 (set it to 1)")
+        experts, first = _moe_rewrite_held_experts(self)
         # An explicit check first: experts the grouped GEMMs would compute differently (another class, a None
         # expert, a ModuleDict) stay as they are, and fusing never drops a parameter or buffer.
         reason = _moe_rewrite_experts_differ(experts)
@@ -245,6 +278,6 @@ class MoE:
             raise RuntimeError("moe-rewrite: the expert weights are on the meta device; fuse them once they are loaded")
         if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
-        self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights)
+        self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights, first_expert=first)
         self.register_load_state_dict_pre_hook(_moe_rewrite_load_expert_lora)
         return self.experts

@@ -15,6 +15,7 @@ from .dispatch import (
     _moe_rewrite_triton,
 )
 from .expert_output import _moe_rewrite_is_silu, _MoeRewriteCombine, _MoeRewriteExpertOutput, _MoeRewriteSwiGLU
+from .expert_parallel import _moe_rewrite_expert_parallel
 from .grouped_linear import _moe_rewrite_linear, _MoeRewriteGather, _MoeRewriteGatherPlan
 from .route import _moe_rewrite_combine, _moe_rewrite_padding, _moe_rewrite_route, _moe_rewrite_unsort
 
@@ -96,8 +97,8 @@ class MoE:
         it; the grouped path then writes that dtype straight from its float32 sums, with the same one rounding).
         The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
         """
-        if getattr(self, "ep_size", 1) > 1:  # V1-form classes have no ep_size: no expert parallelism
-            raise NotImplementedError("moe-rewrite: moe_train does not support expert parallelism (ep_size > 1) yet")
+        if getattr(self, "ep_size", 1) > 1:  # expert parallelism (V1-form classes have no ep_size)
+            return _moe_rewrite_expert_parallel(self, x, topk_ids, topk_weight, out_dtype)
         if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
             raise NotImplementedError("moe-rewrite: moe_train does not support pretraining_tp > 1 (set it to 1)")
         dtype = _moe_rewrite_compute_dtype(x)

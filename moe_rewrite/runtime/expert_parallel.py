@@ -1,0 +1,112 @@
+"""Expert parallelism (config.ep_size = ep > 1): each rank of an expert-parallel group of ep ranks holds E / ep of every
+MoE layer's routed experts, fused; a token's rows go to the ranks holding its experts and come back through
+torch.distributed's all-to-all, with autograd. Always generated.
+
+Groups are blocks of ep consecutive ranks (rank r is expert-parallel rank r % ep and holds experts
+[r % ep * E / ep, (r % ep + 1) * E / ep)): the inner dimension of a (world / ep, ep) DeviceMesh, which
+Model.moe_rewrite_fully_shard builds. The ranks holding the same experts (r, r + ep, r + 2 ep, ...) are its
+expert-data-parallel group: FSDP2 shards the experts over it, everything else over every rank.
+
+Per layer and step: the per-expert row counts are exchanged (all-to-all of E integers) and copied to the host (the
+split sizes: one sync), the rows sorted by expert (so by rank) go out, the local experts run them through the
+grouped-GEMM core with unit weights (the fused experts' forward, so FSDP2 gathers their shards), the outputs come
+back, and the sending rank weights and sums them as the published moe_infer does: expert outputs in x's dtype,
+weighted in the routing weights' dtype, summed, then cast. The router's gradient stays on the sending rank; a rank
+that receives no row still runs both exchanges in backward.
+"""
+
+import torch
+
+_moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
+
+
+def _moe_rewrite_ep_rank(config):
+    """This rank's place in its expert-parallel group (rank % config.ep_size): the MoE layer's __init__ builds experts
+    [ep_rank * E / ep, (ep_rank + 1) * E / ep) only. Needs torch.distributed initialized, ep dividing the world size
+    and the number of routed experts."""
+    dist = torch.distributed
+    ep, experts = config.ep_size, config.n_routed_experts
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"moe-rewrite: ep_size={ep} needs torch.distributed initialized before the model is built "
+            "(launch with torchrun and call torch.distributed.init_process_group first)"
+        )
+    world = dist.get_world_size()
+    if world % ep or experts % ep:
+        raise ValueError(
+            f"moe-rewrite: ep_size={ep} must divide the world size ({world}) and n_routed_experts ({experts})"
+        )
+    return dist.get_rank() % ep
+
+
+def _moe_rewrite_ep_groups(ep):
+    """(expert-parallel group, expert-data-parallel group) of this rank in the default layout (module docstring),
+    made on first use: every rank makes every group, in one order."""
+    if ep not in _moe_rewrite_ep_cache:
+        dist = torch.distributed
+        world = dist.get_world_size()
+        blocks = [list(range(start, start + ep)) for start in range(0, world, ep)]
+        strides = [list(range(first, world, ep)) for first in range(ep)]
+        ep_group, _ = dist.new_subgroups_by_enumeration(blocks)
+        efsdp_group, _ = dist.new_subgroups_by_enumeration(strides)
+        _moe_rewrite_ep_cache[ep] = (ep_group, efsdp_group)
+    return _moe_rewrite_ep_cache[ep]
+
+
+def _moe_rewrite_ep_group(moe):
+    """The MoE layer's expert-parallel process group: the one Model.moe_rewrite_expert_parallel gave it, else the
+    default layout's."""
+    group = moe.__dict__.get("_moe_rewrite_ep_group")
+    return group if group is not None else _moe_rewrite_ep_groups(moe.ep_size)[0]
+
+
+class _MoeRewriteAllToAll(torch.autograd.Function):
+    """torch.distributed.all_to_all_single with autograd: rows x, `in_splits` of them to each rank of `group`,
+    `out_splits` received from each; backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        torch.distributed.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
+    """The routed experts' weighted outputs for this rank's tokens x (tokens, hidden), with topk_ids (global expert
+    ids) and topk_weight (tokens, top_k), the experts spread over the layer's expert-parallel group (module
+    docstring)."""
+    held = moe.experts
+    if "first_expert" not in held.__dict__ or not held._moe_rewrite_own_projections():
+        raise NotImplementedError(
+            "moe-rewrite: expert parallelism needs the routed experts fused (the default; not --no-fuse-experts or "
+            "MOE_REWRITE_FUSE_EXPERTS=0) and without LoRA adapters (LoRA on the experts under expert parallelism is "
+            "not supported yet: adapt attention and shared experts only, or train with ep_size=1)"
+        )
+    ep, experts = moe.ep_size, moe.config.n_routed_experts
+    local = experts // ep
+    group = _moe_rewrite_ep_group(moe)
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)  # rows by expert, so by destination rank
+    counts = torch.bincount(flat, minlength=experts)
+    received = torch.empty_like(counts)  # (source rank, local expert)
+    torch.distributed.all_to_all_single(received, counts, group=group)
+    host = torch.stack([counts, received]).cpu()  # the split sizes: one sync per layer
+    send = host[0].view(ep, local).sum(1).tolist()
+    recv = host[1].view(ep, local).sum(1).tolist()
+    rows = _MoeRewriteAllToAll.apply(x[order // top_k], recv, send, group)
+    expert_ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received, output_size=sum(recv))
+    ones = torch.ones(rows.shape[0], 1, dtype=topk_weight.dtype, device=x.device)
+    outputs = held(rows, expert_ids.unsqueeze(1), ones)  # the fused experts' forward: the grouped GEMMs
+    back = _MoeRewriteAllToAll.apply(outputs.to(x.dtype), send, recv, group)
+    per_row = back[torch.argsort(order)].view(tokens, top_k, -1)
+    y = per_row.to(topk_weight.dtype).mul(topk_weight.unsqueeze(-1)).sum(dim=1)
+    return y.to(out_dtype or torch.promote_types(x.dtype, topk_weight.dtype))
