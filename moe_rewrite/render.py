@@ -40,6 +40,7 @@ SECTIONS = {
     "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
     "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",
+    "expert_parallel_model": "the model under expert parallelism: its groups, FSDP2 on two meshes, gradients, saving",
     "fused_loading": "from_pretrained and from_config fuse every MoE layer's experts",
     "per_expert": "the grouped-GEMM core over per-expert nn.Linear layers (--no-fuse-experts)",
     "aux_loss": "the sequence-wise balance loss (--aux-loss)",

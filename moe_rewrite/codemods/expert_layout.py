@@ -21,7 +21,13 @@ from moe_rewrite.codemods import Context, Field, is_generated_method, marked, re
 READS: tuple[Field, ...] = ("projections",)
 PROVIDES: tuple[Field, ...] = ()
 PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTrainedModel"))
-SHARED = ["expert_linears", "parameter_lora", "fused_experts", "fused_checkpoint"]  # both layouts' sections
+SHARED = [
+    "expert_linears",
+    "parameter_lora",
+    "fused_experts",
+    "fused_checkpoint",
+    "expert_parallel_model",
+]  # both layouts' sections
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:

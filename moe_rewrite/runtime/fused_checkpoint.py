@@ -6,6 +6,7 @@ Always generated.
 import torch
 
 from .expert_linears import MOE_REWRITE_PROJECTIONS
+from .expert_parallel_model import _moe_rewrite_gathered_state_dict
 
 
 def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
@@ -113,14 +114,20 @@ class Model:
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as PreTrainedModel.save_pretrained does, fused routed experts written as per-expert keys (moe-rewrite);
         a `state_dict` passed in (a full state dict gathered from FSDP, say) is converted the same way; the patched
-        modeling file and the files it imports are written beside the weights."""
+        modeling file and the files it imports are written beside the weights. Under expert parallelism or FSDP2,
+        call it on every rank (is_main_process=rank == 0): they gather the whole checkpoint, which loads with any
+        ep_size."""
         writes = args[0] if args else kwargs.get("is_main_process", True)
+        # under expert parallelism or FSDP2 every rank takes part in gathering the whole state dict
+        given = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        whole, gathered = _moe_rewrite_gathered_state_dict(self, given, writes)
         if not writes:
-            pass  # this process writes nothing
+            if gathered:  # for the writing rank, which writes every file
+                return None
         elif len(args) > 1:  # state_dict passed by position, after is_main_process
-            args = (args[0], _moe_rewrite_unfuse_state_dict(args[1], self), *args[2:])
+            args = (args[0], _moe_rewrite_unfuse_state_dict(whole, self), *args[2:])
         else:
-            kwargs["state_dict"] = _moe_rewrite_unfuse_state_dict(kwargs.get("state_dict"), self)
+            kwargs["state_dict"] = _moe_rewrite_unfuse_state_dict(whole, self)
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if writes:
             _moe_rewrite_save_code(self, save_directory)

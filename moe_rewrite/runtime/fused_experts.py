@@ -68,21 +68,23 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         experts, double_inter, hidden = self.gate_up_proj.shape
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
-    def forward(self, x, topk_ids, topk_weight):
-        """The experts' weighted outputs (topk_ids count the held experts from 0): through the grouped-GEMM core where
-        it runs them (the expert-parallel path calls this, so that FSDP2 gathers experts sharded on their own), else
-        expert by expert through the views (also what PEFT's wrappers call, with their adapters applied to the
-        parameters, when the core cannot reproduce them)."""
+    def forward(self, x, topk_ids, topk_weight, out_dtype=None):
+        """The experts' weighted outputs (topk_ids count the held experts from 0), in `out_dtype` or the promoted
+        dtype of x and topk_weight: through the grouped-GEMM core where it runs them (moe_train calls this where FSDP2
+        shards the experts on their own, so that it gathers them, and under expert parallelism), else expert by
+        expert through the views (also what PEFT's wrappers call, with their adapters applied to the parameters, when
+        the core cannot reproduce them)."""
         if x.shape[0] == 0:  # no row (a rank that received none): an empty output, in the graph for backward
-            hidden = self.down_proj.shape[1]
-            return x.new_zeros(0, hidden) + x.sum() + self.gate_up_proj[:0].sum() + self.down_proj[:0].sum()
+            empty = x.new_zeros(0, self.down_proj.shape[1], dtype=out_dtype or x.dtype)
+            return empty + x.sum() + self.gate_up_proj[:0].sum() + self.down_proj[:0].sum()
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)
         parametrized = torch.nn.utils.parametrize.is_parametrized(self)  # PEFT's target_parameters, merged weights
         weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights()
         if weights is not None:
-            return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, None)
-        return _moe_rewrite_loop(self, x, topk_ids, topk_weight)
+            return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, out_dtype)
+        y = _moe_rewrite_loop(self, x, topk_ids, topk_weight)
+        return y.to(out_dtype or y.dtype)
 
     def moe_rewrite_weights(self, wrappers=()):
         """The _MoeRewriteExpertMLP the grouped-GEMM core reads: the two parameters as weight sources, and the LoRA

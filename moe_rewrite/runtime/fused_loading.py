@@ -2,6 +2,8 @@
 ForCausalLM, ...) comes out of from_pretrained and from_config with each MoE layer's experts fused.
 """
 
+import torch
+
 
 def _moe_rewrite_fuse_model(model, loading=False):
     """Fuse the routed experts of every MoE layer that can be fused (on loading).
@@ -34,7 +36,29 @@ def _moe_rewrite_loader_fuses_experts(config):
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if getattr(config, "ep_size", 1) > 1:  # each rank fuses its own experts after loading them
+        return False
     return major == 5 and minor < 13 and getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+
+
+def _moe_rewrite_ignore_other_experts(model):
+    """Under expert parallelism: from_pretrained leaves the checkpoint's keys of the experts other ranks hold unloaded
+    without a warning about them (transformers 4.x reads the class's _keys_to_ignore_on_load_unexpected, 5.x the
+    model's)."""
+    held = set()
+    for module in model.modules():
+        experts = module._modules.get("experts") if getattr(module, "ep_size", 1) > 1 else None
+        if isinstance(experts, torch.nn.ModuleList):  # the published layout: None where another rank's expert is
+            held |= {i for i, expert in enumerate(experts) if expert is not None}
+    if not held:
+        return
+    pattern = rf"(^|\.)experts\.(?!(?:{'|'.join(str(i) for i in sorted(held))})\.)\d+\."
+    for owner in (type(model), model):
+        patterns = owner._keys_to_ignore_on_load_unexpected
+        if isinstance(patterns, set):
+            owner._keys_to_ignore_on_load_unexpected = patterns | {pattern}
+        elif pattern not in (patterns or []):
+            owner._keys_to_ignore_on_load_unexpected = [*(patterns or []), pattern]
 
 
 class Model:
@@ -60,6 +84,7 @@ class Model:
         into gate_up_proj / down_proj (5.0 to 5.12 do for deepseek_v2/v3 remote code), the routed experts are fused
         here, before loading, so that those keys land in them."""
         super().post_init()
+        _moe_rewrite_ignore_other_experts(self)
         if _moe_rewrite_loader_fuses_experts(self.config):
             _moe_rewrite_fuse_model(self, loading=True)
 

@@ -128,8 +128,11 @@ class MoE:
         them with their adapters, without gradients as moe_infer, and returns x's dtype as moe_infer does. The V1 form
         passes flat ids and (tokens * top_k, 1) weights (moe-rewrite proved them views of the (tokens, top_k) ones);
         moe_train takes them per token. Under expert parallelism moe_train runs them too (moe_infer's own exchange
-        needs ep_size == world size and even splits on gloo)."""
-        if hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1:
+        needs ep_size == world size and even splits on gloo), and where FSDP2 shards the experts on their own
+        (moe_rewrite_fully_shard: their forward gathers them)."""
+        kind = type(self.experts)
+        own_unit = callable(getattr(kind, "unshard", None))
+        if hasattr(kind, "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not own_unit:
             return self.moe_infer(x, topk_ids, topk_weight)
         tokens = x.shape[0]
         with torch.no_grad():

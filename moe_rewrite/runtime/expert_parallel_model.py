@@ -1,0 +1,172 @@
+"""The model's side of expert parallelism (expert_parallel.py has the layers'): which group each layer exchanges rows
+in, FSDP2 on the two meshes, gradients without FSDP, and whole checkpoints written from the ranks' shares. Always
+generated (fused layout).
+
+    torchrun --nproc-per-node 8 train.py, where train.py does
+        torch.distributed.init_process_group()
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, ep_size=4)  # this rank's experts
+        model.moe_rewrite_fully_shard()     # FSDP2: experts over the (world / ep) ranks holding them, the rest over all
+        ... loss.backward(); optimizer.step() ...
+        model.save_pretrained(out, is_main_process=rank == 0)   # on every rank: the checkpoint any ep_size loads
+"""
+
+import torch
+
+from .expert_parallel import _moe_rewrite_ep_group, _moe_rewrite_ep_groups
+
+
+def _moe_rewrite_moe_layers(model):
+    """The model's MoE layers (the modules moe-rewrite gave moe_train)."""
+    return [module for module in model.modules() if callable(getattr(module, "moe_train", None))]
+
+
+def _moe_rewrite_ep_size(model):
+    """The model's ep_size (1 without expert parallelism); every MoE layer has the same."""
+    sizes = {getattr(layer, "ep_size", 1) for layer in _moe_rewrite_moe_layers(model)}
+    if len(sizes) > 1:
+        raise RuntimeError(f"moe-rewrite: the MoE layers have different ep_size values {sorted(sizes)}")
+    return sizes.pop() if sizes else 1
+
+
+def _moe_rewrite_check_ep_group(group, ep):
+    """`group` (the expert-parallel one) must hold this rank's block of ep consecutive ranks, in order: the layers
+    were built and loaded for the experts of that block's rank % ep."""
+    dist = torch.distributed
+    ranks = dist.get_process_group_ranks(group)
+    first = dist.get_rank() // ep * ep
+    if ranks != list(range(first, first + ep)):
+        raise ValueError(
+            f"moe-rewrite: the expert-parallel group must hold ranks {first} to {first + ep - 1} in order (blocks of "
+            f"ep_size consecutive ranks, the inner dimension of a (world // ep_size, ep_size) DeviceMesh), not {ranks}"
+        )
+
+
+def _moe_rewrite_fully_shard_api():
+    """FSDP2's fully_shard (torch >= 2.6 exports it from torch.distributed.fsdp, 2.4-2.5 from _composable)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def _moe_rewrite_divide_gradients(module, factor, gloo):
+    """FSDP2 `module` divides its reduced gradients by `factor`. On gloo, which has no PREMUL_SUM or AVG, it sums then
+    divides, except on a group of one rank (torch 2.13's FSDP2 would divide twice there)."""
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(float(factor))
+    else:  # torch < 2.6
+        module.set_reduce_scatter_divide_factor(float(factor))
+    if gloo and hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
+    """For save_pretrained under expert parallelism or FSDP2, called on every rank: (the whole state dict (the
+    model's own when None) on the writing rank, None on the others; True), each layer's fused experts gathered from
+    the ranks of its expert-parallel group (global expert order), DTensors (FSDP2 shards) made whole. Otherwise
+    (state_dict, False)."""
+    dist = torch.distributed
+    distributed = dist.is_available() and dist.is_initialized()
+    source = model.state_dict() if state_dict is None else state_dict
+    ep_layers = {}
+    for name, module in model.named_modules():
+        if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None)):
+            ep_layers[f"{name}.experts." if name else "experts."] = module
+    sharded = any(hasattr(value, "full_tensor") for value in source.values())
+    if not distributed or not (ep_layers or sharded):
+        return state_dict, False
+    whole = {}
+    for key, value in source.items():  # one order on every rank: the collectives pair up
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        prefix, _, name = key.rpartition(".")
+        layer = ep_layers.get(prefix + ".")
+        if layer is not None and name in ("gate_up_proj", "down_proj"):
+            group = _moe_rewrite_ep_group(layer)
+            parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, value.detach().contiguous(), group=group)
+            value = torch.cat(parts)
+        if writes:
+            whole[key] = value.detach().to("cpu", copy=True)
+    return (whole if writes else None), True
+
+
+class Model:
+    def moe_rewrite_expert_parallel(self, group=None):
+        """Exchange every MoE layer's rows in `group`, a torch.distributed ProcessGroup or a one-dimensional
+        DeviceMesh (mesh["ep"]), instead of the default one the layers make on first use; it must hold this rank's
+        block of ep_size consecutive ranks, in order (the experts were built for it). Returns the model."""
+        ep = _moe_rewrite_ep_size(self)
+        if ep <= 1:
+            raise RuntimeError("moe-rewrite: this model was built without expert parallelism (ep_size=1)")
+        if hasattr(group, "get_group"):  # a DeviceMesh
+            group = group.get_group()
+        _moe_rewrite_check_ep_group(group, ep)
+        for layer in _moe_rewrite_moe_layers(self):
+            layer.__dict__["_moe_rewrite_ep_group"] = group
+        return self
+
+    def moe_rewrite_fully_shard(self, mesh=None, **kwargs):
+        """Shard the model with FSDP2 for expert parallelism (or without it, ep_size=1): each MoE layer's experts over
+        the ranks holding the same experts (`mesh`'s first dimension), everything else over every rank, each decoder
+        layer (the classes in _no_split_modules) a unit and the model the root. The experts' gradients are divided by
+        the world size, not by their group's, as every token's loss counts once in the world's mean.
+
+        `mesh`: a two-dimensional DeviceMesh (expert data parallel, expert parallel) of shape
+        (world // ep_size, ep_size); by default one on the parameters' device type. `kwargs` go to every fully_shard
+        call (mp_policy, reshard_after_forward, ...). Returns the model."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist = torch.distributed
+        fully_shard = _moe_rewrite_fully_shard_api()
+        world, ep = dist.get_world_size(), _moe_rewrite_ep_size(self)
+        device = next(self.parameters()).device.type
+        if mesh is None:
+            mesh = init_device_mesh(device, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        if mesh.ndim != 2 or tuple(mesh.shape) != (world // ep, ep):
+            raise ValueError(
+                f"moe-rewrite: moe_rewrite_fully_shard needs a (world // ep_size, ep_size) = ({world // ep}, {ep}) "
+                f"DeviceMesh, got shape {tuple(mesh.shape)}"
+            )
+        names = mesh.mesh_dim_names or ("efsdp", "ep")
+        efsdp_mesh, ep_mesh = mesh[names[0]], mesh[names[1]]
+        if ep > 1:
+            self.moe_rewrite_expert_parallel(ep_mesh)
+        gloo = dist.get_backend() == "gloo"
+        for layer in _moe_rewrite_moe_layers(self):
+            fully_shard(layer.experts, mesh=efsdp_mesh, **kwargs)
+            _moe_rewrite_divide_gradients(layer.experts, world, gloo and world // ep > 1)
+        dp_mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        blocks = set(getattr(self, "_no_split_modules", None) or ())
+        units = [module for module in self.modules() if type(module).__name__ in blocks] + [self]
+        for unit in units:
+            fully_shard(unit, mesh=dp_mesh, **kwargs)
+            if gloo and world > 1:
+                unit.set_force_sum_reduction_for_comms(True)
+        return self
+
+    def moe_rewrite_all_reduce_gradients(self):
+        """Without FSDP (or DDP) under expert parallelism, after backward: every gradient averaged over the world, the
+        experts' summed over the ranks holding the same experts and divided by the world size (their all-to-all
+        backward already summed the expert-parallel group's tokens). Parameters without a gradient count as zeros."""
+        dist = torch.distributed
+        world, ep = dist.get_world_size(), _moe_rewrite_ep_size(self)
+        expert_ids = {id(p) for layer in _moe_rewrite_moe_layers(self) for p in layer.experts.parameters()}
+        trained = [p for p in self.parameters() if p.requires_grad]
+        groups = {None: [p for p in trained if id(p) not in expert_ids]}
+        if ep > 1:
+            groups[_moe_rewrite_ep_groups(ep)[1]] = [p for p in trained if id(p) in expert_ids]
+        else:
+            groups[None] = trained
+        for group, params in groups.items():
+            for dtype in sorted({p.dtype for p in params}, key=str):  # one all-reduce per group and dtype
+                same = [p for p in params if p.dtype == dtype]
+                for p in same:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                flat = torch.cat([p.grad.reshape(-1) for p in same])
+                dist.all_reduce(flat, group=group)
+                flat.div_(world)
+                for p, value in zip(same, flat.split([p.numel() for p in same])):
+                    p.grad.copy_(value.view_as(p.grad))
