@@ -176,4 +176,4 @@ def test_expert_parallel_matches_one_process(ep_results, setup):
     assert result["reloaded_error"] < 1e-5
     if form == "v3":  # the routing the test relies on: rank 3 of ep 4 holds experts 6 and 7, which no token chose
         assert 6 not in results["used_experts"] and 7 not in results["used_experts"]
-        assert result["bias_error"] == 0.0 and results["bias_moved"] == pytest.approx(BIAS_RATE)
+        assert result["bias_error"] == 0.0 and results["bias_moved"] == pytest.approx(BIAS_RATE, rel=1e-3)
