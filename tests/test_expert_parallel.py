@@ -102,6 +102,11 @@ def _ep_worker(rank, ckpt, form, out_dir):
         model, info = type(ref).from_pretrained(whole, ep_size=ep, torch_dtype=torch.float32, output_loading_info=True)
         model.train()
         held = [len(layer.experts) for layer in _moe_layers(model)]
+        if ep == 2:  # the world is not this rank's expert-parallel group
+            try:
+                model.moe_rewrite_expert_parallel(dist.group.WORLD)
+            except ValueError as error:
+                results["wrong_group"] = str(error)
         if fsdp:
             model.moe_rewrite_fully_shard()
         loss = model(input_ids=ids[rank], attention_mask=mask[rank], labels=labels[rank]).loss
@@ -147,6 +152,15 @@ def _ep_worker(rank, ckpt, form, out_dir):
         result["eval_error"] = (ep_logits - ref_logits).abs().max().item()
         result["reloaded_error"] = (reloaded_logits - ref_logits).abs().max().item()
         results[name] = result
+    # LoRA on the experts under expert parallelism: refused on every rank before any exchange (no rank hangs)
+    from peft import LoraConfig, get_peft_model
+
+    model = type(ref).from_pretrained(whole, ep_size=4, torch_dtype=torch.float32).train()
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    try:
+        model(input_ids=ids[rank], labels=labels[rank])
+    except NotImplementedError as error:
+        results["lora"] = str(error)
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
@@ -177,3 +191,10 @@ def test_expert_parallel_matches_one_process(ep_results, setup):
     if form == "v3":  # the routing the test relies on: rank 3 of ep 4 holds experts 6 and 7, which no token chose
         assert 6 not in results["used_experts"] and 7 not in results["used_experts"]
         assert result["bias_error"] == 0.0 and results["bias_moved"] == pytest.approx(BIAS_RATE, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_expert_parallel_refusals(ep_results):
+    _, results = ep_results
+    assert "LoRA on the experts under expert parallelism is not supported" in results["lora"]
+    assert "must hold ranks 0 to 1 in order" in results["wrong_group"]

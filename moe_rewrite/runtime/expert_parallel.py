@@ -90,6 +90,13 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
             "MOE_REWRITE_FUSE_EXPERTS=0) and without LoRA adapters (LoRA on the experts under expert parallelism is "
             "not supported yet: adapt attention and shared experts only, or train with ep_size=1)"
         )
+    own_unit = callable(getattr(type(held), "unshard", None))  # FSDP2 on the experts alone
+    if (getattr(held, "_is_fsdp_managed_module", False) and not own_unit) or hasattr(held.gate_up_proj, "ds_id"):
+        raise NotImplementedError(
+            "moe-rewrite: under expert parallelism each rank holds other experts, which FSDP1, DeepSpeed ZeRO and "
+            "FSDP2 units spanning them would mix: shard with model.moe_rewrite_fully_shard() (FSDP2), or train "
+            "without sharding and call model.moe_rewrite_all_reduce_gradients() after backward"
+        )
     ep, experts = moe.ep_size, moe.config.n_routed_experts
     local = experts // ep
     group = _moe_rewrite_ep_group(moe)
