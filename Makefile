@@ -51,11 +51,14 @@ compat-envs: $(COMPAT_ENVS)
 	.venv-tf/$*/bin/python -m pip install -q --disable-pip-version-check "transformers==$*"
 	touch $@
 
+# pytest-xdist processes for `make test` (CI's machine has 2 cores; the suite's tests are independent).
+TEST_WORKERS ?= 2
+
 # ruff (pinned in the test extra) lints and checks the format of everything, moe_rewrite/runtime/ included, before the tests.
 test: venv compat-envs
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
-	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q --durations=15
+	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
 # The inner loop: ruff, then the tests not marked slow or gpu (pyproject.toml's markers); `make test` runs them all.
