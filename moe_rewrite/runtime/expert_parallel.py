@@ -84,11 +84,11 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     ids) and topk_weight (tokens, top_k), the experts spread over the layer's expert-parallel group (module
     docstring)."""
     held = moe.experts
-    if "first_expert" not in held.__dict__ or not held._moe_rewrite_own_projections():
+    if "first_expert" not in held.__dict__:  # per-expert layers, or PEFT's target_parameters wrapping the experts
         raise NotImplementedError(
             "moe-rewrite: expert parallelism needs the routed experts fused (the default; not --no-fuse-experts or "
-            "MOE_REWRITE_FUSE_EXPERTS=0) and without LoRA adapters (LoRA on the experts under expert parallelism is "
-            "not supported yet: adapt attention and shared experts only, or train with ep_size=1)"
+            "MOE_REWRITE_FUSE_EXPERTS=0); LoRA on them through PEFT's target_modules works, through "
+            "target_parameters not yet"
         )
     own_unit = callable(getattr(type(held), "unshard", None))  # FSDP2 on the experts alone
     if (getattr(held, "_is_fsdp_managed_module", False) and not own_unit) or hasattr(held.gate_up_proj, "ds_id"):

@@ -63,9 +63,10 @@ def _moe_rewrite_divide_gradients(module, factor, gloo):
 
 def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     """For save_pretrained under expert parallelism or FSDP2, called on every rank: (the whole state dict (the
-    model's own when None) on the writing rank, None on the others; True), each layer's fused experts gathered from
-    the ranks of its expert-parallel group (global expert order), DTensors (FSDP2 shards) made whole. Otherwise
-    (state_dict, False)."""
+    model's own when None) on the writing rank, None on the others; True): each layer's fused experts gathered from
+    the ranks of its expert-parallel group (global expert order), and the LoRA weights PEFT put on their views
+    (experts.N.gate_proj.lora_A...), which differ by rank; DTensors (FSDP2 shards) made whole. Otherwise
+    (state_dict, False). `model` is the root whose state dict it is (a PeftModel around the model too)."""
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     source = model.state_dict() if state_dict is None else state_dict
@@ -76,23 +77,74 @@ def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     sharded = any(hasattr(value, "full_tensor") for value in source.values())
     if not distributed or not (ep_layers or sharded):
         return state_dict, False
-    whole = {}
+    whole, views = {}, {prefix: {} for prefix in ep_layers}
     for key, value in source.items():  # one order on every rank: the collectives pair up
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         prefix, _, name = key.rpartition(".")
         layer = ep_layers.get(prefix + ".")
         if layer is not None and name in ("gate_up_proj", "down_proj"):
-            group = _moe_rewrite_ep_group(layer)
             parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
-            dist.all_gather(parts, value.detach().contiguous(), group=group)
+            dist.all_gather(parts, value.detach().contiguous(), group=_moe_rewrite_ep_group(layer))
             value = torch.cat(parts)
+        else:
+            view = next((p for p in ep_layers if key.startswith(p)), None)
+            if view is not None:  # an expert view's adapter: this rank's experts only
+                views[view][key] = value.detach().to("cpu", copy=True)
+                continue
         if writes:
             whole[key] = value.detach().to("cpu", copy=True)
+    for prefix, layer in ep_layers.items():
+        shares = [None] * layer.ep_size
+        dist.all_gather_object(shares, views[prefix], group=_moe_rewrite_ep_group(layer))
+        if writes:
+            for share in shares:
+                whole.update(share)
     return (whole if writes else None), True
 
 
 class Model:
+    def moe_rewrite_gathered_state_dict(self, root=None, is_main_process=True):
+        """The whole state dict of `root` (this model by default, or the PeftModel around it), call it on every rank
+        under expert parallelism or FSDP2: every rank's experts and their LoRA weights, FSDP2 shards made whole, as
+        CPU tensors on the rank where is_main_process is true (None on the others). For PEFT's adapters:
+        peft_model.save_pretrained(out, state_dict=model.moe_rewrite_gathered_state_dict(peft_model, is_main),
+        is_main_process=is_main) writes every expert's adapters; save_pretrained gathers by itself."""
+        root = self if root is None else root
+        whole, gathered = _moe_rewrite_gathered_state_dict(root, None, is_main_process)
+        if gathered:
+            return whole
+        return {key: value.detach().to("cpu", copy=True) for key, value in root.state_dict().items()}
+
+    def moe_rewrite_save_adapters(self, peft_model, save_directory, is_main_process=True, **kwargs):
+        """peft_model.save_pretrained(save_directory, **kwargs) under expert parallelism, on every rank: PEFT saves
+        the adapters of the modules its rank holds, so the writing rank's file gets every other rank's experts'
+        adapters added (PEFT's key names: the adapter's name taken out), and loads without expert parallelism (or
+        with another ep_size) as a usual PEFT adapter. safetensors files only (PEFT's default)."""
+        import os
+
+        adapter = kwargs.get("selected_adapters", [peft_model.active_adapter])[0]
+        whole = self.moe_rewrite_gathered_state_dict(peft_model, is_main_process)
+        state_dict = whole if is_main_process else {}  # FSDP2's shards made whole: PEFT would read the DTensors
+        peft_model.save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        if not is_main_process or _moe_rewrite_ep_size(self) <= 1:
+            return
+        from safetensors.torch import load_file, save_file
+
+        directory = save_directory if adapter == "default" else os.path.join(save_directory, adapter)
+        path = os.path.join(directory, "adapter_model.safetensors")
+        saved = load_file(path)
+        marker = f".{adapter}."
+        prefixes = tuple(
+            f"{name}.experts."
+            for name, module in peft_model.named_modules()
+            if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None))
+        )
+        for key, value in whole.items():  # the experts' views' adapter weights (the fused parameters have no marker)
+            if key.startswith(prefixes) and marker in key:
+                saved.setdefault(key.replace(marker, ".", 1), value.contiguous())
+        save_file(saved, path, metadata={"format": "pt"})
+
     def moe_rewrite_expert_parallel(self, group=None):
         """Exchange every MoE layer's rows in `group`, a torch.distributed ProcessGroup or a one-dimensional
         DeviceMesh (mesh["ep"]), instead of the default one the layers make on first use; it must hold this rank's

@@ -74,9 +74,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         shards the experts on their own, so that it gathers them, and under expert parallelism), else expert by
         expert through the views (also what PEFT's wrappers call, with their adapters applied to the parameters, when
         the core cannot reproduce them)."""
-        if x.shape[0] == 0:  # no row (a rank that received none): an empty output, in the graph for backward
-            empty = x.new_zeros(0, self.down_proj.shape[1], dtype=out_dtype or x.dtype)
-            return empty + x.sum() + self.gate_up_proj[:0].sum() + self.down_proj[:0].sum()
+        if x.shape[0] == 0:  # no row (a rank that received none): an empty output with every parameter (LoRA's
+            # too) in its graph, so that backward's exchanges run here and each gets a gradient (zeros) as on the
+            # ranks holding the same experts, whose FSDP2 reductions it joins
+            empty = x.new_zeros(0, self.down_proj.shape[1], dtype=out_dtype or x.dtype) + x.sum()
+            return empty + sum(p.reshape(-1)[:0].sum() for p in self.parameters() if p.requires_grad)
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)
         parametrized = torch.nn.utils.parametrize.is_parametrized(self)  # PEFT's target_parameters, merged weights
