@@ -14,18 +14,11 @@ import torch.distributed as dist
 from conftest import build_model, patched_checkpoint, run_ranks
 
 WORLD = 4
-# (name, ep_size, FSDP2): ep = world, ep x efsdp, and FSDP2 without expert parallelism (experts a unit of their own)
-SETUPS = [
-    s
-    for s in [
-        ("ep2", 2, False),
-        ("ep4", 4, False),
-        ("ep2_fsdp2", 2, True),
-        ("ep4_fsdp2", 4, True),
-        ("ep1_fsdp2", 1, True),
-    ]
-    if os.environ.get("EPSEL", s[0]).find(s[0]) >= 0
-]
+# (name, ep_size, FSDP2): ep = world, ep x efsdp, FSDP2 without expert parallelism (experts a unit of their own), and
+# gradient checkpointing (backward's recomputation exchanges again)
+SETUPS = [("ep2", 2, False), ("ep4", 4, False), ("ep2_fsdp2", 2, True), ("ep4_fsdp2", 4, True), ("ep1_fsdp2", 1, True)]
+SETUPS += [("ep4_fsdp2_checkpointed", 4, True)]
+SETUPS = [s for s in SETUPS if s[0] in os.environ.get("EPSEL", s[0]).split()]  # TEMP until the __init__ codemod
 BIAS_RATE = 0.01
 
 
@@ -107,6 +100,8 @@ def _ep_worker(rank, ckpt, form, out_dir):
                 model.moe_rewrite_expert_parallel(dist.group.WORLD)
             except ValueError as error:
                 results["wrong_group"] = str(error)
+        if name.endswith("checkpointed"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if fsdp:
             model.moe_rewrite_fully_shard()
         loss = model(input_ids=ids[rank], attention_mask=mask[rank], labels=labels[rank]).loss
