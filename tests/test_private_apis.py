@@ -49,6 +49,9 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         # read behind hasattr() by the LlamaFlashAttention2 stand-in, as 4.46's class reads it (absent: the
         # weights' dtype, as there); only on the flash path, which needs flash-attn
         "_pre_quantization_dtype",
+        "_keys_to_ignore_on_load_unexpected",
+        "_no_split_modules",
+        "_composable",  # torch.distributed._composable.fsdp.fully_shard: FSDP2 before torch 2.6 exported it
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -185,6 +188,60 @@ def test_pretrained_model_builds_from_config_through_from_config():
 
     transformers.AutoModel.register(Config, Model)
     assert isinstance(transformers.AutoModel.from_config(Config()), Model) and calls == [Model]
+
+
+def test_from_pretrained_skips_unexpected_keys_the_model_names_in_post_init(tmp_path):
+    """fused_loading.py: under expert parallelism post_init names the other ranks' experts' keys in
+    _keys_to_ignore_on_load_unexpected (on the class, which 4.x reads, and the model, which 5.x reads) and
+    from_pretrained then neither loads nor reports them."""
+    transformers = pytest.importorskip("transformers")
+
+    class Config(transformers.PretrainedConfig):
+        model_type = "moe-rewrite-probe-unexpected"
+
+    class Model(transformers.PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.linear = torch.nn.Linear(2, 2)
+            self.post_init()
+
+        def post_init(self):
+            super().post_init()
+            pattern = r"(^|\.)experts\.(?!(?:0|1)\.)\d+\."
+            for owner in (type(self), self):
+                patterns = owner._keys_to_ignore_on_load_unexpected
+                if isinstance(patterns, set):
+                    owner._keys_to_ignore_on_load_unexpected = patterns | {pattern}
+                else:
+                    owner._keys_to_ignore_on_load_unexpected = [*(patterns or []), pattern]
+
+    from safetensors.torch import save_file
+
+    Model(Config()).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = {"linear.weight": torch.zeros(2, 2), "linear.bias": torch.zeros(2), "experts.3.w": torch.zeros(1)}
+    save_file({**state, "other.5.w": torch.zeros(1)}, weights, metadata={"format": "pt"})
+    _, info = Model.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["unexpected_keys"]) == ["other.5.w"]
+
+
+def test_pretrained_models_name_their_decoder_layers_in_no_split_modules(tmp_path_factory):
+    """expert_parallel_model.py: moe_rewrite_fully_shard makes each module whose class _no_split_modules names an
+    FSDP2 unit: the stand-ins (like the published files) name their decoder layers there."""
+    from conftest import build_model, patched_checkpoint
+
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"))
+    names = set(model._no_split_modules)
+    assert {type(m).__name__ for m in model.model.layers} <= names
+
+
+def test_fsdp2_is_importable_where_torch_before_2_6_exported_it():
+    """expert_parallel_model.py: torch 2.4 and 2.5 export fully_shard from torch.distributed._composable.fsdp only;
+    later releases keep that module beside torch.distributed.fsdp."""
+    composable = pytest.importorskip("torch.distributed._composable.fsdp")
+    assert callable(composable.fully_shard)
 
 
 def test_accelerate_marks_dispatched_modules_with_hf_hook():

@@ -276,7 +276,7 @@ def test_contiguous_expert_weights_are_used_without_a_copy(tmp_path_factory):
             assert rel_err(e.down_proj.weight.grad, r.down_proj.weight.grad) < REL
 
 
-def test_expert_parallel_is_refused_clearly(patched, form):
+def test_expert_parallelism_needs_fused_experts(patched, form):
     moe = moe_layer(build_model(patched)).train()
     moe.ep_size = 2
     with pytest.raises(NotImplementedError, match="expert parallelism"):
