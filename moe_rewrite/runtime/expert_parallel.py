@@ -17,6 +17,11 @@ that receives no row still runs both exchanges in backward.
 
 import torch
 
+from .dispatch import _moe_rewrite_triton
+from .expert_output import _MoeRewriteCombine
+from .grouped_linear import _MoeRewriteGather
+from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
+
 _moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
 
 
@@ -100,20 +105,23 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     ep, experts = moe.ep_size, moe.config.n_routed_experts
     local = experts // ep
     group = _moe_rewrite_ep_group(moe)
-    tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort(stable=True)  # rows by expert, so by destination rank
-    counts = torch.bincount(flat, minlength=experts)
+    top_k = topk_ids.shape[1]
+    # the route sorts the rows by expert, so by destination rank (one Triton launch on CUDA), and counts them
+    kernels = _moe_rewrite_triton(x.device, x.dtype)
+    offsets, route = _moe_rewrite_route(topk_ids, experts, kernels is not None, kernels)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
     received = torch.empty_like(counts)  # (source rank, local expert)
     torch.distributed.all_to_all_single(received, counts, group=group)
     host = torch.stack([counts, received]).cpu()  # the split sizes: one sync per layer
     send = host[0].view(ep, local).sum(1).tolist()
     recv = host[1].view(ep, local).sum(1).tolist()
-    rows = _MoeRewriteAllToAll.apply(x[order // top_k], recv, send, group)
+    rows = _MoeRewriteAllToAll.apply(_MoeRewriteGather.apply(x, route, top_k, kernels), recv, send, group)
     expert_ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received, output_size=sum(recv))
     ones = torch.ones(rows.shape[0], 1, dtype=topk_weight.dtype, device=x.device)
-    outputs = held(rows, expert_ids.unsqueeze(1), ones)  # the fused experts' forward: the grouped GEMMs
-    back = _MoeRewriteAllToAll.apply(outputs.to(x.dtype), send, recv, group)
-    per_row = back[torch.argsort(order)].view(tokens, top_k, -1)
-    y = per_row.to(topk_weight.dtype).mul(topk_weight.unsqueeze(-1)).sum(dim=1)
-    return y.to(out_dtype or torch.promote_types(x.dtype, topk_weight.dtype))
+    # the fused experts' forward: the grouped GEMMs, each row's output rounded once to x's dtype as moe_infer's
+    outputs = held(rows, expert_ids.unsqueeze(1), ones, out_dtype=x.dtype)
+    back = _MoeRewriteAllToAll.apply(outputs, send, recv, group)
+    dtype = out_dtype or torch.promote_types(x.dtype, topk_weight.dtype)
+    if kernels is not None:  # weighted sum in float32, rounded once, without a float32 copy of the rows
+        return _MoeRewriteCombine.apply(back, topk_weight, route, dtype, kernels)
+    return _moe_rewrite_combine(_moe_rewrite_unsort(back, route.order), topk_weight).to(dtype)
