@@ -153,7 +153,23 @@ def _ep_worker(rank, ckpt, form, out_dir):
             json.dump(results, f)
 
 
-LORA_SETUPS = [("lora_ep4", 4, False), ("lora_ep4_fsdp2", 4, True)]  # TEMP
+# (name, ep_size, FSDP2, PEFT's targets): adapters on the experts' views (target_modules, transformers 4.x) or on the
+# fused parameters (target_parameters; what target_modules gives on transformers 5.x)
+MODULES = {"target_modules": ["gate_proj", "up_proj", "down_proj"]}
+PARAMETERS = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"], "target_modules": ["q_a_proj"]}
+LORA_SETUPS = [("lora_ep4", 4, False, MODULES), ("lora_ep4_fsdp2", 4, True, MODULES)]  # TEMP
+LORA_SETUPS += [("lora_parameters_ep4", 4, False, PARAMETERS), ("lora_parameters_ep4_fsdp2", 4, True, PARAMETERS)]
+
+
+def _local(key, tensor, first, count):
+    """The part of one process's adapter weight `key` that the rank holding experts [first, first + count) holds:
+    PEFT's wrappers of the fused parameters hold lora_A (E * r, in) expert-major, lora_B (out, r * E) expert-minor."""
+    if ".experts.lora_A." in key or ".experts.base_layer.lora_A." in key:
+        rank = tensor.shape[0] // 8
+        return tensor[first * rank : (first + count) * rank]
+    if ".experts.lora_B." in key or ".experts.base_layer.lora_B." in key:
+        return tensor.view(tensor.shape[0], -1, 8)[:, :, first : first + count].flatten(1)
+    return tensor
 
 
 def _lora_setups(rank, ref, whole, ids, mask, labels, out_dir):
@@ -162,37 +178,38 @@ def _lora_setups(rank, ref, whole, ids, mask, labels, out_dir):
     without expert parallelism equal."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    def lora(model):
-        config = LoraConfig(
-            r=2, lora_alpha=4, init_lora_weights=False, target_modules=["gate_proj", "up_proj", "down_proj"]
-        )
-        return get_peft_model(model, config)
+    def lora(model, targets):
+        return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **targets))
 
-    torch.manual_seed(5)
-    one = lora(type(ref).from_pretrained(whole, torch_dtype=torch.float32)).train()
-    for r in range(WORLD):
-        one(input_ids=ids[r], attention_mask=mask[r], labels=labels[r]).loss.backward()
-    adapters = {n: p for n, p in one.named_parameters() if p.requires_grad}
-    results = {}
-    for name, ep, fsdp in LORA_SETUPS:
-        model = lora(type(ref).from_pretrained(whole, ep_size=ep, torch_dtype=torch.float32)).train()
+    results, ones = {}, {}
+    for name, ep, fsdp, targets in LORA_SETUPS:
+        key = tuple(sorted(targets))
+        if key not in ones:  # one process, the same adapters
+            torch.manual_seed(5)
+            one = lora(type(ref).from_pretrained(whole, torch_dtype=torch.float32), targets).train()
+            for r in range(WORLD):
+                one(input_ids=ids[r], attention_mask=mask[r], labels=labels[r]).loss.backward()
+            ones[key] = {n: p for n, p in one.named_parameters() if p.requires_grad}
+        adapters = ones[key]
+        model = lora(type(ref).from_pretrained(whole, ep_size=ep, torch_dtype=torch.float32), targets).train()
+        first, count = rank % ep * 8 // ep, 8 // ep
         with torch.no_grad():
             for key, param in model.named_parameters():
                 if param.requires_grad:
-                    param.copy_(adapters[key])
+                    param.copy_(_local(key, adapters[key], first, count))
         if fsdp:
             model.moe_rewrite_fully_shard()
         model(input_ids=ids[rank], attention_mask=mask[rank], labels=labels[rank]).loss.backward()
         if not fsdp:
             model.moe_rewrite_all_reduce_gradients()
-        worst, count = 0.0, 0
+        worst, compared = 0.0, 0
         for key, param in model.named_parameters():
             if param.requires_grad:
-                want = adapters[key].grad / WORLD
+                want = _local(key, adapters[key].grad, first, count) / WORLD
                 got = _whole(param.grad)
                 assert got is not None, (name, key)
                 worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-                count += 1
+                compared += 1
         worst = torch.tensor(worst)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         saved = os.path.join(out_dir, name)
@@ -202,7 +219,8 @@ def _lora_setups(rank, ref, whole, ids, mask, labels, out_dir):
         theirs = dict(reloaded.named_parameters())
         reload_error = max((theirs[k] - p).abs().max().item() for k, p in adapters.items())
         experts = sum(".experts." in k for k in adapters)
-        results[name] = {"grad_error": worst.item(), "adapters": count, "experts": experts, "reload": reload_error}
+        assert adapters.keys() == theirs.keys() & adapters.keys()
+        results[name] = {"grad_error": worst.item(), "adapters": compared, "experts": experts, "reload": reload_error}
     return results
 
 
@@ -247,3 +265,40 @@ def test_lora_under_expert_parallelism_matches_one_process(ep_results, setup):
 def test_expert_parallel_refusals(ep_results):
     _, results = ep_results
     assert "must hold ranks 0 to 1 in order" in results["wrong_group"]
+
+
+def _gpu_worker(rank, ckpt, out_dir):
+    """Two ranks on one GPU (gloo carries CUDA tensors): bf16, the grouped GEMMs and Triton kernels on both sides."""
+    torch.cuda.set_device(0)
+    ref = build_model(ckpt, seed=3).to("cuda", torch.bfloat16).train()
+    with torch.no_grad():
+        for layer in _moe_layers(ref):
+            layer.gate.e_score_correction_bias.zero_()
+    whole = os.path.join(out_dir, "whole")
+    if rank == 0:
+        ref.save_pretrained(whole)
+    dist.barrier()
+    ids = torch.randint(0, ref.config.vocab_size, (2, 4, 64), generator=torch.Generator().manual_seed(9)).cuda()
+    for r in range(2):
+        ref(input_ids=ids[r], labels=ids[r]).loss.backward()
+    model = type(ref).from_pretrained(whole, ep_size=2, torch_dtype=torch.bfloat16).cuda().train()
+    loss = model(input_ids=ids[rank], labels=ids[rank]).loss
+    loss.backward()
+    model.moe_rewrite_all_reduce_gradients()
+    ref_grads, worst = dict(ref.named_parameters()), 0.0
+    for name, param in model.named_parameters():
+        want = ref_grads[name].grad.float() / 2
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            want = want[rank * param.shape[0] : (rank + 1) * param.shape[0]]
+        worst = max(worst, ((param.grad.float() - want).norm() / want.norm()).item())
+    if rank == 0:
+        with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+            json.dump({"grad_error": worst}, f)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_expert_parallel_on_one_gpu_through_gloo(tmp_path_factory, tmp_path):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    run_ranks(_gpu_worker, tmp_path, ckpt, world=2)
+    assert json.loads((tmp_path / "gpu.json").read_text())["grad_error"] < 3e-2

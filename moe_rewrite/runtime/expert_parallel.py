@@ -20,6 +20,7 @@ import torch
 from .dispatch import _moe_rewrite_triton
 from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
+from .parameter_lora import _moe_rewrite_unwrap
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
 
 _moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
@@ -84,18 +85,28 @@ class _MoeRewriteAllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def _moe_rewrite_run_experts(moe, x, topk_ids, topk_weight, out_dtype):
+    """The fused experts' moe_rewrite_run with PEFT's wrappers of their parameters (if any): as FSDP2's registered
+    forward method of the experts' unit where moe_rewrite_fully_shard made one (it gathers the shards), else
+    directly."""
+    outer = moe.experts
+    experts, wrappers = _moe_rewrite_unwrap(outer)
+    run = outer.__dict__.get("moe_rewrite_run") or experts.moe_rewrite_run
+    return run(x, topk_ids, topk_weight, out_dtype, wrappers)
+
+
 def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     """The routed experts' weighted outputs for this rank's tokens x (tokens, hidden), with topk_ids (global expert
     ids) and topk_weight (tokens, top_k), the experts spread over the layer's expert-parallel group (module
     docstring)."""
-    held = moe.experts
-    if "first_expert" not in held.__dict__:  # per-expert layers, or PEFT's target_parameters wrapping the experts
+    outer = moe.experts
+    held, _ = _moe_rewrite_unwrap(outer)
+    if "first_expert" not in held.__dict__:  # per-expert layers
         raise NotImplementedError(
             "moe-rewrite: expert parallelism needs the routed experts fused (the default; not --no-fuse-experts or "
-            "MOE_REWRITE_FUSE_EXPERTS=0); LoRA on them through PEFT's target_modules works, through "
-            "target_parameters not yet"
+            "MOE_REWRITE_FUSE_EXPERTS=0)"
         )
-    own_unit = callable(getattr(type(held), "unshard", None))  # FSDP2 on the experts alone
+    own_unit = callable(getattr(type(outer), "unshard", None))  # FSDP2 on the experts alone
     if (getattr(held, "_is_fsdp_managed_module", False) and not own_unit) or hasattr(held.gate_up_proj, "ds_id"):
         raise NotImplementedError(
             "moe-rewrite: under expert parallelism each rank holds other experts, which FSDP1, DeepSpeed ZeRO and "
@@ -119,7 +130,7 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     expert_ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received, output_size=sum(recv))
     ones = torch.ones(rows.shape[0], 1, dtype=topk_weight.dtype, device=x.device)
     # the fused experts' forward: the grouped GEMMs, each row's output rounded once to x's dtype as moe_infer's
-    outputs = held(rows, expert_ids.unsqueeze(1), ones, out_dtype=x.dtype)
+    outputs = _moe_rewrite_run_experts(moe, rows, expert_ids.unsqueeze(1), ones, x.dtype)
     back = _MoeRewriteAllToAll.apply(outputs, send, recv, group)
     dtype = out_dtype or torch.promote_types(x.dtype, topk_weight.dtype)
     if kernels is not None:  # weighted sum in float32, rounded once, without a float32 copy of the rows

@@ -13,6 +13,7 @@ generated (fused layout).
 import torch
 
 from .expert_parallel import _moe_rewrite_ep_group, _moe_rewrite_ep_groups
+from .parameter_lora import _moe_rewrite_unwrap
 
 
 def _moe_rewrite_moe_layers(model):
@@ -42,12 +43,13 @@ def _moe_rewrite_check_ep_group(group, ep):
 
 
 def _moe_rewrite_fully_shard_api():
-    """FSDP2's fully_shard (torch >= 2.6 exports it from torch.distributed.fsdp, 2.4-2.5 from _composable)."""
+    """FSDP2's fully_shard and register_fsdp_forward_method (torch >= 2.6 exports them from torch.distributed.fsdp,
+    2.4-2.5 from _composable)."""
     try:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
+        from torch.distributed._composable.fsdp import fully_shard, register_fsdp_forward_method
+    return fully_shard, register_fsdp_forward_method
 
 
 def _moe_rewrite_divide_gradients(module, factor, gloo):
@@ -59,6 +61,22 @@ def _moe_rewrite_divide_gradients(module, factor, gloo):
         module.set_reduce_scatter_divide_factor(float(factor))
     if gloo and hasattr(module, "set_force_sum_reduction_for_comms"):
         module.set_force_sum_reduction_for_comms(True)
+
+
+def _moe_rewrite_gather_experts(value, name, layer):
+    """A layer's expert tensor `name` (relative to its experts) whole over the layer's expert-parallel group, in
+    global expert order: the fused parameters (expert first), and the LoRA weights of PEFT's wrappers of them, lora_A
+    (E * r, in) expert-major and lora_B (out, r * E) expert-minor (PEFT's ParamWrapper layout)."""
+    dist = torch.distributed
+    if name not in ("gate_up_proj", "down_proj") and not name.startswith(("lora_A.", "lora_B.")):
+        raise RuntimeError(f"moe-rewrite: cannot gather the experts' {name} from the expert-parallel ranks")
+    parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
+    dist.all_gather(parts, value.detach().contiguous(), group=_moe_rewrite_ep_group(layer))
+    if name.startswith("lora_B."):
+        local = layer.config.n_routed_experts // layer.ep_size
+        parts = [part.view(part.shape[0], -1, local) for part in parts]
+        return torch.cat(parts, dim=2).flatten(1)
+    return torch.cat(parts)
 
 
 def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
@@ -81,17 +99,15 @@ def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     for key, value in source.items():  # one order on every rank: the collectives pair up
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
-        prefix, _, name = key.rpartition(".")
-        layer = ep_layers.get(prefix + ".")
-        if layer is not None and name in ("gate_up_proj", "down_proj"):
-            parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
-            dist.all_gather(parts, value.detach().contiguous(), group=_moe_rewrite_ep_group(layer))
-            value = torch.cat(parts)
-        else:
-            view = next((p for p in ep_layers if key.startswith(p)), None)
-            if view is not None:  # an expert view's adapter: this rank's experts only
-                views[view][key] = value.detach().to("cpu", copy=True)
+        prefix = next((p for p in ep_layers if key.startswith(p)), None)
+        if prefix is not None:
+            rest = key[len(prefix) :]
+            while rest.startswith("base_layer."):  # under PEFT's wrappers of the fused parameters
+                rest = rest[len("base_layer.") :]
+            if rest[:1].isdigit():  # an expert view's adapter (target_modules): this rank's experts only
+                views[prefix][key] = value.detach().to("cpu", copy=True)
                 continue
+            value = _moe_rewrite_gather_experts(value, rest, ep_layers[prefix])
         if writes:
             whole[key] = value.detach().to("cpu", copy=True)
     for prefix, layer in ep_layers.items():
@@ -140,9 +156,9 @@ class Model:
             for name, module in peft_model.named_modules()
             if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None))
         )
-        for key, value in whole.items():  # the experts' views' adapter weights (the fused parameters have no marker)
+        for key, value in whole.items():  # the experts' adapters, every rank's (the fused parameters have no marker)
             if key.startswith(prefixes) and marker in key:
-                saved.setdefault(key.replace(marker, ".", 1), value.contiguous())
+                saved[key.replace(marker, ".", 1)] = value.contiguous()
         save_file(saved, path, metadata={"format": "pt"})
 
     def moe_rewrite_expert_parallel(self, group=None):
@@ -171,7 +187,7 @@ class Model:
         from torch.distributed.device_mesh import init_device_mesh
 
         dist = torch.distributed
-        fully_shard = _moe_rewrite_fully_shard_api()
+        fully_shard, register_fsdp_forward_method = _moe_rewrite_fully_shard_api()
         world, ep = dist.get_world_size(), _moe_rewrite_ep_size(self)
         device = next(self.parameters()).device.type
         if mesh is None:
@@ -187,8 +203,15 @@ class Model:
             self.moe_rewrite_expert_parallel(ep_mesh)
         gloo = dist.get_backend() == "gloo"
         for layer in _moe_rewrite_moe_layers(self):
-            fully_shard(layer.experts, mesh=efsdp_mesh, **kwargs)
-            _moe_rewrite_divide_gradients(layer.experts, world, gloo and world // ep > 1)
+            unit = layer.experts  # the fused experts, or PEFT's wrappers of their parameters around them
+            fully_shard(unit, mesh=efsdp_mesh, **kwargs)
+            _moe_rewrite_divide_gradients(unit, world, gloo and world // ep > 1)
+            # moe_train runs the experts through moe_rewrite_run (with the wrappers' adapters): FSDP2 gathers the
+            # unit around it as around a forward
+            experts, _ = _moe_rewrite_unwrap(unit)
+            if experts is not unit:
+                unit.moe_rewrite_run = experts.moe_rewrite_run
+            register_fsdp_forward_method(unit, "moe_rewrite_run")
         dp_mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
         blocks = set(getattr(self, "_no_split_modules", None) or ())
         units = [module for module in self.modules() if type(module).__name__ in blocks] + [self]

@@ -69,23 +69,33 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
 
     def forward(self, x, topk_ids, topk_weight, out_dtype=None):
-        """The experts' weighted outputs (topk_ids count the held experts from 0), in `out_dtype` or the promoted
-        dtype of x and topk_weight: through the grouped-GEMM core where it runs them (moe_train calls this where FSDP2
-        shards the experts on their own, so that it gathers them, and under expert parallelism), else expert by
-        expert through the views (also what PEFT's wrappers call, with their adapters applied to the parameters, when
-        the core cannot reproduce them)."""
+        """The experts' weighted outputs (moe_rewrite_run), what PEFT's wrappers call with their adapters applied to
+        the parameters (then expert by expert through the views)."""
+        return self.moe_rewrite_run(x, topk_ids, topk_weight, out_dtype)
+
+    def moe_rewrite_run(self, x, topk_ids, topk_weight, out_dtype=None, wrappers=()):
+        """The experts' weighted outputs for rows x (topk_ids count the held experts from 0), in `out_dtype` or the
+        promoted dtype of x and topk_weight, PEFT's `wrappers` of the parameters with their adapters: through the
+        grouped-GEMM core where it runs them, else expert by expert (through the wrappers' own forward where they
+        hold adapters the core cannot run). moe_train calls it where FSDP2 shards the experts as a unit of their own
+        (moe_rewrite_fully_shard registers it as a forward method, so that FSDP2 gathers them) and under expert
+        parallelism."""
         if x.shape[0] == 0:  # no row (a rank that received none): an empty output with every parameter (LoRA's
             # too) in its graph, so that backward's exchanges run here and each gets a gradient (zeros) as on the
             # ranks holding the same experts, whose FSDP2 reductions it joins
             empty = x.new_zeros(0, self.down_proj.shape[1], dtype=out_dtype or x.dtype) + x.sum()
-            return empty + sum(p.reshape(-1)[:0].sum() for p in self.parameters() if p.requires_grad)
+            held = (wrappers[0] if wrappers else self).parameters()
+            return empty + sum(p.reshape(-1)[:0].sum() for p in held if p.requires_grad)
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)
-        parametrized = torch.nn.utils.parametrize.is_parametrized(self)  # PEFT's target_parameters, merged weights
-        weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights()
+        parametrized = torch.nn.utils.parametrize.is_parametrized(self)  # inside PEFT's forward: merged weights
+        weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights(wrappers)
         if weights is not None:
             return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, out_dtype)
-        y = _moe_rewrite_loop(self, x, topk_ids, topk_weight)
+        if wrappers and not parametrized:  # PEFT's forward: its adapters merged into the parameters, then this
+            y = wrappers[0](x, topk_ids, topk_weight)
+        else:
+            y = _moe_rewrite_loop(self, x, topk_ids, topk_weight)
         return y.to(out_dtype or y.dtype)
 
     def moe_rewrite_weights(self, wrappers=()):
