@@ -73,6 +73,14 @@ def test_a_reformatted_assert_is_the_same_assert_and_its_comment_stays():
     assert "            # DeepSeek's check\n" + EP_SIZE in text and OURS in text
 
 
+def test_a_local_dist_elsewhere_is_not_the_module_one():
+    """Another function's own `dist` (the generated runtime has some) is not the one __init__ reads."""
+    local = "def _local(torch):\n    dist = torch.distributed\n    return dist\n\n\n"
+    variant = Mutation("v2", "local_dist", "exact", (("class MoEGate(", local + "class MoEGate("),)).apply(V2_TEXT)
+    text, chosen = _moe_ep(variant)
+    assert not chosen and OURS in text
+
+
 LEFT_AS_PUBLISHED = [
     ("assert_le", ((ASSERT, ASSERT.replace("==", "<=")),), "0 `assert config.ep_size == dist.get_world_size()`"),
     ("two_asserts", ((ASSERT, ASSERT + ASSERT),), "2 `assert config.ep_size == dist.get_world_size()`"),
@@ -91,6 +99,11 @@ LEFT_AS_PUBLISHED = [
     (
         "dist_from_torch",
         (("import torch.distributed as dist\n", "from torch import distributed as dist\n"),),
+        "`dist` is not bound by `import torch.distributed as dist` alone",
+    ),
+    (
+        "dist_local_in_init",
+        ((ASSERT, "            dist = torch.distributed\n" + ASSERT),),
         "`dist` is not bound by `import torch.distributed as dist` alone",
     ),
     (

@@ -69,25 +69,38 @@ def _ep_branches(init: cst.FunctionDef) -> list[cst.If]:
     ]
 
 
-def _dist_is_torch_distributed(module: cst.Module) -> bool:
-    """`dist` is bound once in the file: by a top-level `import torch.distributed as dist`."""
+def _binds_dist(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id == "dist" and not isinstance(node.ctx, ast.Load)
+    if isinstance(node, ast.alias):  # `import dist.x` binds dist too
+        return (node.asname or node.name.split(".")[0]) == "dist"
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)):
+        return node.name == "dist"
+    return isinstance(node, ast.arg) and node.arg == "dist"
+
+
+def _module_level(tree: ast.Module) -> list[ast.AST]:
+    """The nodes of the module's own scope: not inside a function, class or lambda (their bindings are local)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo += ast.iter_child_nodes(node)
+    return found
+
+
+def _dist_is_torch_distributed(module: cst.Module, init: cst.FunctionDef) -> bool:
+    """The __init__'s `dist` is the module's, bound once: by a top-level `import torch.distributed as dist`, nowhere
+    else at module level (nor through `global dist`) or in __init__ (the generated code's locals are its own)."""
     tree = ast.parse(module.code)
-    bindings = 0
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "dist" and not isinstance(node.ctx, ast.Load):
-            bindings += 1
-        elif isinstance(node, ast.alias) and (node.asname or node.name) == "dist":
-            bindings += 1
-        elif isinstance(node, ast.arg) and node.arg == "dist":
-            bindings += 1
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "dist":
-            bindings += 1
-        elif isinstance(node, ast.ExceptHandler) and node.name == "dist":
-            bindings += 1
-        elif isinstance(node, (ast.Global, ast.Nonlocal)) and "dist" in node.names:
-            bindings += 1
     expected = ast.dump(ast.parse(DIST_IMPORT).body[0])
-    return bindings == 1 and any(ast.dump(stmt) == expected for stmt in tree.body)
+    return (
+        sum(map(_binds_dist, _module_level(tree))) == 1
+        and any(ast.dump(stmt) == expected for stmt in tree.body)
+        and not any(isinstance(n, ast.Global) and "dist" in n.names for n in ast.walk(tree))
+        and not any(map(_binds_dist, ast.walk(ast.parse(code(init.with_changes(leading_lines=[], decorators=[]))))))
+    )
 
 
 def _edited(init: cst.FunctionDef, branch: cst.If, cfg: str, module: cst.Module) -> tuple[cst.FunctionDef | None, str]:
@@ -117,7 +130,7 @@ def _edited(init: cst.FunctionDef, branch: cst.If, cfg: str, module: cst.Module)
         if line is None or len(line.body) != 1:
             return None, f"`{one_line(node)}` is not a statement line of its own in the branch"
         lines[which] = line
-    if not _dist_is_torch_distributed(module):
+    if not _dist_is_torch_distributed(module, init):
         return None, f"`dist` is not bound by `{DIST_IMPORT}` alone"
     note = cst.EmptyLine(comment=cst.Comment(NOTE))
     ours = cst.ensure_type(ranks[0], cst.Assign).with_changes(value=cst.parse_expression(f"{OUR_CALL}({cfg})"))
