@@ -23,6 +23,7 @@ from moe_rewrite.codemods import (
     compat,
     expert_layout,
     expert_mlp,
+    expert_parallel,
     gate,
     gradient_checkpointing,
     init_weights,
@@ -53,6 +54,7 @@ CODEMODS: list[Codemod] = [
     expert_mlp,
     gate,
     no_aux_loss,
+    expert_parallel,
     expert_layout,
     block,
 ]
