@@ -17,8 +17,7 @@ WORLD = 4
 # (name, ep_size, FSDP2): ep = world, ep x efsdp, FSDP2 without expert parallelism (experts a unit of their own), and
 # gradient checkpointing (backward's recomputation exchanges again)
 SETUPS = [("ep2", 2, False), ("ep4", 4, False), ("ep2_fsdp2", 2, True), ("ep4_fsdp2", 4, True), ("ep1_fsdp2", 1, True)]
-SETUPS += [("ep4_fsdp2_checkpointed", 4, True)]
-SETUPS = [s for s in SETUPS if s[0] in os.environ.get("EPSEL", s[0]).split()]  # TEMP until the __init__ codemod
+SETUPS += [("ep2_fsdp2_checkpointed", 2, True)]
 BIAS_RATE = 0.01
 
 
@@ -157,8 +156,8 @@ def _ep_worker(rank, ckpt, form, out_dir):
 # fused parameters (target_parameters; what target_modules gives on transformers 5.x)
 MODULES = {"target_modules": ["gate_proj", "up_proj", "down_proj"]}
 PARAMETERS = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"], "target_modules": ["q_a_proj"]}
-LORA_SETUPS = [("lora_ep4", 4, False, MODULES), ("lora_ep4_fsdp2", 4, True, MODULES)]  # TEMP
-LORA_SETUPS += [("lora_parameters_ep4", 4, False, PARAMETERS), ("lora_parameters_ep4_fsdp2", 4, True, PARAMETERS)]
+LORA_SETUPS = [("lora_ep4", 4, False, MODULES), ("lora_ep2_fsdp2", 2, True, MODULES)]
+LORA_SETUPS += [("lora_parameters_ep4", 4, False, PARAMETERS), ("lora_parameters_ep2_fsdp2", 2, True, PARAMETERS)]
 
 
 def _local(key, tensor, first, count):
