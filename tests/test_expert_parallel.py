@@ -301,3 +301,17 @@ def test_expert_parallel_on_one_gpu_through_gloo(tmp_path_factory, tmp_path):
     ckpt = patched_checkpoint(tmp_path_factory, "v3")
     run_ranks(_gpu_worker, tmp_path, ckpt, world=2)
     assert json.loads((tmp_path / "gpu.json").read_text())["grad_error"] < 3e-2
+
+
+def test_expert_parallelism_needs_torch_distributed_and_a_dividing_ep_size(tmp_path_factory, tmp_path):
+    ckpt = patched_checkpoint(tmp_path_factory, "v2")
+    if dist.is_initialized():
+        pytest.skip("needs no process group of its own")
+    with pytest.raises(RuntimeError, match="ep_size=2 needs torch.distributed initialized"):
+        build_model(ckpt, ep_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"ep_size=2 must divide the world size \(1\)"):
+            build_model(ckpt, ep_size=2)
+    finally:
+        dist.destroy_process_group()
