@@ -286,6 +286,8 @@ def _gpu_worker(rank, ckpt, out_dir):
     model.moe_rewrite_all_reduce_gradients()
     ref_grads, worst = dict(ref.named_parameters()), 0.0
     for name, param in model.named_parameters():
+        if ref_grads[name].grad is None:  # e_score_correction_bias: selects experts, gets no gradient
+            continue
         want = ref_grads[name].grad.float() / 2
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             want = want[rank * param.shape[0] : (rank + 1) * param.shape[0]]
