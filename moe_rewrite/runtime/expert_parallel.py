@@ -9,10 +9,10 @@ expert-data-parallel group: FSDP2 shards the experts over it, everything else ov
 
 Per layer and step: the per-expert row counts are exchanged (all-to-all of E integers) and copied to the host (the
 split sizes: one sync), the rows sorted by expert (so by rank) go out, the local experts run them through the
-grouped-GEMM core with unit weights (the fused experts' forward, so FSDP2 gathers their shards), the outputs come
-back, and the sending rank weights and sums them as the published moe_infer does: expert outputs in x's dtype,
-weighted in the routing weights' dtype, summed, then cast. The router's gradient stays on the sending rank; a rank
-that receives no row still runs both exchanges in backward.
+grouped-GEMM core with unit weights (the fused experts' moe_rewrite_run, where FSDP2 gathers their shards), the
+outputs come back, and the sending rank weights and sums them as the published moe_infer does: expert outputs in x's
+dtype, weighted in the routing weights' dtype, summed, then cast. The router's gradient stays on the sending rank; a
+rank that receives no row still runs both exchanges in backward.
 """
 
 import torch
@@ -129,7 +129,7 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     rows = _MoeRewriteAllToAll.apply(_MoeRewriteGather.apply(x, route, top_k, kernels), recv, send, group)
     expert_ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received, output_size=sum(recv))
     ones = torch.ones(rows.shape[0], 1, dtype=topk_weight.dtype, device=x.device)
-    # the fused experts' forward: the grouped GEMMs, each row's output rounded once to x's dtype as moe_infer's
+    # the grouped GEMMs on the held experts, each row's output rounded once to x's dtype as moe_infer's
     outputs = _moe_rewrite_run_experts(moe, rows, expert_ids.unsqueeze(1), ones, x.dtype)
     back = _MoeRewriteAllToAll.apply(outputs, send, recv, group)
     dtype = out_dtype or torch.promote_types(x.dtype, topk_weight.dtype)

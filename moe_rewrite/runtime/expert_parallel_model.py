@@ -1,6 +1,6 @@
 """The model's side of expert parallelism (expert_parallel.py has the layers'): which group each layer exchanges rows
 in, FSDP2 on the two meshes, gradients without FSDP, and whole checkpoints written from the ranks' shares. Always
-generated (fused layout).
+generated.
 
     torchrun --nproc-per-node 8 train.py, where train.py does
         torch.distributed.init_process_group()
@@ -123,9 +123,8 @@ class Model:
     def moe_rewrite_gathered_state_dict(self, root=None, is_main_process=True):
         """The whole state dict of `root` (this model by default, or the PeftModel around it), call it on every rank
         under expert parallelism or FSDP2: every rank's experts and their LoRA weights, FSDP2 shards made whole, as
-        CPU tensors on the rank where is_main_process is true (None on the others). For PEFT's adapters:
-        peft_model.save_pretrained(out, state_dict=model.moe_rewrite_gathered_state_dict(peft_model, is_main),
-        is_main_process=is_main) writes every expert's adapters; save_pretrained gathers by itself."""
+        CPU tensors on the rank where is_main_process is true (None on the others). save_pretrained and
+        moe_rewrite_save_adapters gather by themselves."""
         root = self if root is None else root
         whole, gathered = _moe_rewrite_gathered_state_dict(root, None, is_main_process)
         if gathered:
@@ -135,8 +134,8 @@ class Model:
     def moe_rewrite_save_adapters(self, peft_model, save_directory, is_main_process=True, **kwargs):
         """peft_model.save_pretrained(save_directory, **kwargs) under expert parallelism, on every rank: PEFT saves
         the adapters of the modules its rank holds, so the writing rank's file gets every other rank's experts'
-        adapters added (PEFT's key names: the adapter's name taken out), and loads without expert parallelism (or
-        with another ep_size) as a usual PEFT adapter. safetensors files only (PEFT's default)."""
+        adapters added (PEFT's key names: the adapter's name taken out), and loads without expert parallelism as a
+        usual PEFT adapter. The active adapter, in a safetensors file (PEFT's default)."""
         import os
 
         adapter = kwargs.get("selected_adapters", [peft_model.active_adapter])[0]

@@ -227,7 +227,7 @@ def _moe_rewrite_held_experts(moe):
     if held != list(range(first, first + count)) or len(experts) != moe.config.n_routed_experts:
         raise RuntimeError(
             f"moe-rewrite: under expert parallelism this rank should hold experts {first} to {first + count - 1} of "
-            f"{moe.config.n_routed_experts}, and holds {len(held)} others"
+            f"{moe.config.n_routed_experts} (the block expert_parallel.py sends it rows for), and holds {held}"
         )
     return torch.nn.ModuleList([experts[i] for i in held]), first
 
