@@ -165,22 +165,34 @@ def test_non_persistent_buffers_are_listed_by_name():
     assert module._buffers["inv_freq"] is module.inv_freq
 
 
-def test_pretrained_model_builds_from_config_through_from_config():
-    """fused_loading.py: AutoModel.from_config calls the model class's _from_config, which the file overrides."""
+def _probe_model(model_type, layer="linear"):
+    """A PretrainedConfig and PreTrainedModel pair of `model_type` holding one nn.Linear named `layer`, to probe what
+    transformers does with a model class."""
     transformers = pytest.importorskip("transformers")
-    calls = []
 
     class Config(transformers.PretrainedConfig):
-        model_type = "moe-rewrite-probe"
+        pass
+
+    Config.model_type = model_type
 
     class Model(transformers.PreTrainedModel):
         config_class = Config
 
         def __init__(self, config):
             super().__init__(config)
-            self.linear = torch.nn.Linear(2, 2)
+            self.add_module(layer, torch.nn.Linear(2, 2))
             self.post_init()
 
+    return Config, Model
+
+
+def test_pretrained_model_builds_from_config_through_from_config():
+    """fused_loading.py: AutoModel.from_config calls the model class's _from_config, which the file overrides."""
+    transformers = pytest.importorskip("transformers")
+    calls = []
+    Config, Probe = _probe_model("moe-rewrite-probe")
+
+    class Model(Probe):
         @classmethod
         def _from_config(cls, config, **kwargs):
             calls.append(cls)
@@ -194,19 +206,9 @@ def test_from_pretrained_skips_unexpected_keys_the_model_names_in_post_init(tmp_
     """fused_loading.py: under expert parallelism post_init names the other ranks' experts' keys in
     _keys_to_ignore_on_load_unexpected (on the class, which 4.x reads, and the model, which 5.x reads) and
     from_pretrained then neither loads nor reports them."""
-    transformers = pytest.importorskip("transformers")
+    Config, Probe = _probe_model("moe-rewrite-probe-unexpected")
 
-    class Config(transformers.PretrainedConfig):
-        model_type = "moe-rewrite-probe-unexpected"
-
-    class Model(transformers.PreTrainedModel):
-        config_class = Config
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.linear = torch.nn.Linear(2, 2)
-            self.post_init()
-
+    class Model(Probe):
         def post_init(self):
             super().post_init()
             pattern = r"(^|\.)experts\.(?!(?:0|1)\.)\d+\."
@@ -279,17 +281,7 @@ def test_transformers_5_marks_the_parameters_it_loaded():
     """init_guards.py: transformers 5.x marks each parameter it loaded from the checkpoint `_is_hf_initialized`, not
     those the checkpoint lacks; 4.x marks no parameter (so _init_weights runs there as before)."""
     transformers = pytest.importorskip("transformers")
-
-    class Config(transformers.PretrainedConfig):
-        model_type = "moe-rewrite-probe-loaded"
-
-    class Saved(transformers.PreTrainedModel):
-        config_class = Config
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.loaded = torch.nn.Linear(2, 2)
-            self.post_init()
+    Config, Saved = _probe_model("moe-rewrite-probe-loaded", layer="loaded")
 
     class Loaded(Saved):
         def __init__(self, config):
