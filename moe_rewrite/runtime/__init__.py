@@ -12,13 +12,18 @@ sections it needs and imports nothing from moe-rewrite.
                        as nodes of their own for adapters on the down projection
     backends           SonicMoE's fused kernels and the per-expert loop fallback
     moe_train          MoE.moe_train and the path through the above, LoRA adapters' GEMMs included
+    expert_parallel    ep_size > 1: rows to the ranks holding their experts and back (all-to-all with autograd),
+                       the default groups
     triton_*           Triton kernels with their launchers, one family per file (route, gather, swiglu, sum_rows,
                        gemm; triton_block: their column block) for the memory-bound steps and a grouped GEMM for few
                        rows per expert on sm90
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> _MoeRewriteExpertMLP
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
-    fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default)
+    expert_parallel_model  the model under expert parallelism: its group, FSDP2 on two meshes
+                       (Model.moe_rewrite_fully_shard), gradients without FSDP, gathered checkpoints and adapters
+    fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default); under expert
+                       parallelism the other ranks' expert keys are skipped silently
     per_expert         --no-fuse-experts: the seam over per-expert nn.Linear layers
     no_aux_loss        the published AddAuxiliaryLoss where aux_loss_alpha = 0 gives None: a clear error, or no aux
                        loss (config.moe_rewrite_train_without_aux_loss)
