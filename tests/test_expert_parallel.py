@@ -147,6 +147,15 @@ def _ep_worker(rank, ckpt, form, out_dir):
         result["reloaded_error"] = (reloaded_logits - ref_logits).abs().max().item()
         results[name] = result
     results.update(_lora_setups(rank, ref, whole, ids, mask, labels, out_dir))
+    # FSDP1 would mix the ranks' different experts in one flat parameter: refused on every rank, in forward
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = type(ref).from_pretrained(whole, ep_size=4, torch_dtype=torch.float32).train()
+    model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    try:
+        model(input_ids=ids[rank], labels=labels[rank])
+    except NotImplementedError as error:
+        results["fsdp1"] = str(error)
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
@@ -264,6 +273,7 @@ def test_lora_under_expert_parallelism_matches_one_process(ep_results, setup):
 def test_expert_parallel_refusals(ep_results):
     _, results = ep_results
     assert "must hold ranks 0 to 1 in order" in results["wrong_group"]
+    assert "FSDP1, DeepSpeed ZeRO and FSDP2 units spanning them would mix" in results["fsdp1"]
 
 
 def _gpu_worker(rank, ckpt, out_dir):
