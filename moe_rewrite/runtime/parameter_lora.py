@@ -129,7 +129,7 @@ class MoE:
         passes flat ids and (tokens * top_k, 1) weights (moe-rewrite proved them views of the (tokens, top_k) ones);
         moe_train takes them per token. Under expert parallelism moe_train runs them too (moe_infer's own exchange
         needs ep_size == world size and even splits on gloo), and where FSDP2 shards the experts on their own
-        (moe_rewrite_fully_shard: their forward gathers them)."""
+        (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run)."""
         kind = type(self.experts)
         own_unit = callable(getattr(kind, "unshard", None))
         if hasattr(kind, "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not own_unit:
