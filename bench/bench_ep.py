@@ -10,7 +10,7 @@ Both hold the same weights (expert e drawn from seed 1000 + e), so their outputs
 rounding (the EP path rounds each expert output to bf16 before the weighted sum, as the published moe_infer does).
 Also timed: the all-to-all alone with the step's split sizes (4 exchanges of rows: dispatch and combine, forward and
 backward), against the traffic model of ../shared/EXPERT_PARALLEL.md (bytes a rank sends and receives). On CPU
-(backend gloo, --config tiny) it checks itself without timing meaning anything.
+(backend gloo, --config tiny), or with --backend gloo on one GPU, it checks itself; its times mean nothing there.
 """
 
 from __future__ import annotations
@@ -105,23 +105,22 @@ def main():
     parser.add_argument("--config", default="moonlight", choices=sorted(SIZES))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--backend", help="nccl (default on CUDA) or gloo (default on CPU; on one GPU, ranks share it)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    args.backend = args.backend or ("nccl" if cuda else "gloo")
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     cfg = SIZES[args.config]
     work = Path(tempfile.mkdtemp())
     modeling, configuration = import_patched(rewrite_fixture(work / f"patched_ep{rank}"), f"patched_ep{rank}")
     x, ids, w, grad = data(cfg, device, rank)
-    results = {
-        "config": args.config,
-        "sizes": cfg,
-        "world": world,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-    }
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    results = {"config": args.config, "sizes": cfg, "world": world, "backend": args.backend, "device": name}
 
     # expert parallelism, ep = world
     moe = build(modeling, configuration, cfg, world, device)
@@ -158,7 +157,7 @@ def main():
     moe = build(modeling, configuration, cfg, 1, device)
     fully_shard(moe.experts)
     register_fsdp_forward_method(moe.experts, "moe_rewrite_run")
-    if not cuda and world > 1:
+    if args.backend == "gloo" and world > 1:
         moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
     y_fsdp, gx_fsdp = step(moe, x, ids, w, grad)
     if cuda:
