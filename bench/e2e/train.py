@@ -3,6 +3,9 @@
 
     torchrun --nproc-per-node 2 bench/e2e/train.py --ckpt PATCHED_DIR --impl moe-rewrite --fsdp fsdp2 --out row.json
 
+`--ep N` (with fsdp2) trains under expert parallelism, ep_size N: the same initial weights (the whole model's, each
+rank loading its experts), FSDP2 through the model's moe_rewrite_fully_shard().
+
 One run = one implementation (the patched file decides: rewritten with `--backend loop` for the naive-loop baseline,
 with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs all four and writes the table.
 `--lora-rank R` trains PEFT LoRA adapters of rank R (alpha 2R) on the attention projections and every routed expert's
@@ -111,6 +114,9 @@ def main() -> None:
     parser.add_argument("--trace", help="with --profile: also write the Chrome trace (Python stacks on) to this file")
     parser.add_argument("--forward-prefetch", action="store_true", help="FSDP1: forward_prefetch=True (both rows)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full training)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert parallelism: ep_size (FSDP2 through model.moe_rewrite_fully_shard)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -132,6 +138,19 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights
     with device:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
+    if args.ep > 1:  # the same weights, each rank holding its experts: the whole model's per-expert state dict
+        import sys
+
+        if args.fsdp != "fsdp2":
+            raise SystemExit("--ep needs --fsdp fsdp2")
+        whole = sys.modules[type(model).__module__]._moe_rewrite_unfuse_state_dict(None, model)
+        del model
+        config.ep_size = args.ep
+        with device:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=torch.bfloat16)
+        loaded = model.load_state_dict(whole, strict=False)
+        assert not loaded.missing_keys, loaded.missing_keys[:3]
+        del whole
     # Files rewritten with the defaults build the model with fused experts (two parameters per MoE layer).
     fused = any(type(m).__name__ == "_MoeRewriteFusedExperts" for m in model.modules())
     grad_ckpt = not args.no_grad_ckpt
@@ -146,7 +165,9 @@ def main() -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.train()
     layer_cls = type(decoder.layers[0])
-    if args.fsdp == "fsdp2":
+    if args.ep > 1:  # experts over the ranks holding them, the rest over all ranks; expert gradients / world
+        model.moe_rewrite_fully_shard()
+    elif args.fsdp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in decoder.layers:
@@ -229,6 +250,7 @@ def main() -> None:
         row = dict(
             impl=args.impl,
             fsdp=args.fsdp,
+            ep_size=args.ep,
             step_s=round(step_s, 4),
             tokens_per_s_per_gpu=round(tokens / step_s, 1),
             peak_gb=round(peak.item(), 2),
