@@ -327,3 +327,35 @@ def test_expert_parallelism_needs_torch_distributed_and_a_dividing_ep_size(tmp_p
             build_model(ckpt, ep_size=2)
     finally:
         dist.destroy_process_group()
+
+
+def _torchrun(script, *args, cwd):
+    """`script` under torchrun in 2 CPU processes (gloo), on a free port."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_the_multi_gpu_bench_scripts_run_on_the_cpu(tmp_path, tmp_path_factory):
+    """bench/bench_ep.py and bench/e2e/train.py --ep (issue #38's rows) in 2 gloo processes at tiny sizes: the expert-
+    parallel layer's output equals the FSDP2 one's, and an expert-parallel training run starts from the same loss."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    _torchrun("bench/bench_ep.py", "--config", "tiny", "--reps", "1", "--out", str(tmp_path), cwd=root)
+    layer = json.loads((tmp_path / "ep-tiny-2.json").read_text())
+    assert layer["rel_err_y"] < 1e-2 and layer["rel_err_grad_x"] < 2e-2 and layer["a2a_gb_per_rank"] > 0
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    losses = {}
+    for ep in (1, 2):
+        out = tmp_path / f"e2e-ep{ep}.json"
+        args = ["--ckpt", str(ckpt), "--impl", "moe-rewrite", "--fsdp", "fsdp2", "--tiny", "--seq", "32"]
+        args += ["--steps", "2", "--warmup", "1", "--ep", str(ep), "--out", str(out)]
+        _torchrun("bench/e2e/train.py", *args, cwd=root)
+        losses[ep] = json.loads(out.read_text())["losses"]
+    assert losses[1][0] == losses[2][0]  # the same initial weights and batch
