@@ -19,6 +19,7 @@ from moe_rewrite.runtime import (  # noqa: E402
     expert_output,
     fused_checkpoint,
     fused_experts,
+    fused_views,
     grouped_linear,
     moe_train,
     route,
@@ -306,7 +307,7 @@ def test_the_per_step_check_of_the_expert_views_agrees_with_the_full_one(monkeyp
         assert (got is None) == (full is None) and (got is None or got.adapters == full.adapters == {})
         return quick(experts), got is not None
 
-    class Doubled(fused_experts._MoeRewriteExpertProjection):
+    class Doubled(fused_views._MoeRewriteExpertProjection):
         def forward(self, x):
             return 2 * super().forward(x)
 
@@ -326,7 +327,7 @@ def test_the_per_step_check_of_the_expert_views_agrees_with_the_full_one(monkeyp
         if why != "a projection deleted":  # the loop runs what the views now hold
             assert torch.allclose(moe.moe_train(x, ids, w), reference(list(experts), x, ids, w), atol=1e-12), why
         # back as made (as PEFT's merge_and_unload puts the base layer back): the quick check holds again
-        original.__class__ = fused_experts._MoeRewriteExpertProjection
+        original.__class__ = fused_views._MoeRewriteExpertProjection
         original._modules.clear()
         view = experts.__dict__["_moe_rewrite_made"].views[3]
         experts.add_module("3", view)

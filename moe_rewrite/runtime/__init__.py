@@ -17,6 +17,7 @@ sections it needs and imports nothing from moe-rewrite.
     triton_*           Triton kernels with their launchers, one family per file (route, gather, swiglu, sum_rows,
                        gemm; triton_block: their column block) for the memory-bound steps and a grouped GEMM for few
                        rows per expert on sm90
+    fused_views        expert i of the fused experts as nn.Linear views of the fused parameters (experts[i])
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> _MoeRewriteExpertMLP
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
