@@ -20,7 +20,7 @@ import torch
 from .dispatch import _moe_rewrite_triton
 from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
-from .parameter_lora import _moe_rewrite_unwrap
+from .parameter_lora import _moe_rewrite_fsdp2_unit, _moe_rewrite_unwrap
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
 
 _moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
@@ -106,7 +106,7 @@ def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
             "moe-rewrite: expert parallelism needs the routed experts fused (the default; not --no-fuse-experts or "
             "MOE_REWRITE_FUSE_EXPERTS=0)"
         )
-    own_unit = callable(getattr(type(outer), "unshard", None))  # FSDP2 on the experts alone
+    own_unit = _moe_rewrite_fsdp2_unit(outer)
     if (getattr(held, "_is_fsdp_managed_module", False) and not own_unit) or hasattr(held.gate_up_proj, "ds_id"):
         raise NotImplementedError(
             "moe-rewrite: under expert parallelism each rank holds other experts, which FSDP1, DeepSpeed ZeRO and "

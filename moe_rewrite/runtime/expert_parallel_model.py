@@ -21,6 +21,16 @@ def _moe_rewrite_moe_layers(model):
     return [module for module in model.modules() if callable(getattr(module, "moe_train", None))]
 
 
+def _moe_rewrite_ep_layers(root):
+    """{"<name>.experts.": layer} for the MoE layers under expert parallelism in `root` (the model, or a PeftModel
+    around it): the state-dict prefix of each layer's experts."""
+    layers = {}
+    for name, module in root.named_modules():
+        if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None)):
+            layers[f"{name}.experts." if name else "experts."] = module
+    return layers
+
+
 def _moe_rewrite_ep_size(model):
     """The model's ep_size (1 without expert parallelism); every MoE layer has the same."""
     sizes = {getattr(layer, "ep_size", 1) for layer in _moe_rewrite_moe_layers(model)}
@@ -88,10 +98,7 @@ def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     source = model.state_dict() if state_dict is None else state_dict
-    ep_layers = {}
-    for name, module in model.named_modules():
-        if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None)):
-            ep_layers[f"{name}.experts." if name else "experts."] = module
+    ep_layers = _moe_rewrite_ep_layers(model)
     sharded = any(hasattr(value, "full_tensor") for value in source.values())
     if not distributed or not (ep_layers or sharded):
         return state_dict, False
@@ -150,11 +157,7 @@ class Model:
         path = os.path.join(directory, "adapter_model.safetensors")
         saved = load_file(path)
         marker = f".{adapter}."
-        prefixes = tuple(
-            f"{name}.experts."
-            for name, module in peft_model.named_modules()
-            if getattr(module, "ep_size", 1) > 1 and callable(getattr(module, "moe_train", None))
-        )
+        prefixes = tuple(_moe_rewrite_ep_layers(peft_model))
         for key, value in whole.items():  # the experts' adapters, every rank's (the fused parameters have no marker)
             if key.startswith(prefixes) and marker in key:
                 saved[key.replace(marker, ".", 1)] = value.contiguous()

@@ -17,6 +17,7 @@ from .dispatch import (
 from .expert_output import _moe_rewrite_is_silu, _MoeRewriteCombine, _MoeRewriteExpertOutput, _MoeRewriteSwiGLU
 from .expert_parallel import _moe_rewrite_expert_parallel, _moe_rewrite_run_experts
 from .grouped_linear import _moe_rewrite_linear, _MoeRewriteGather, _MoeRewriteGatherPlan
+from .parameter_lora import _moe_rewrite_fsdp2_unit
 from .route import _moe_rewrite_combine, _moe_rewrite_padding, _moe_rewrite_route, _moe_rewrite_unsort
 
 
@@ -101,7 +102,7 @@ class MoE:
             return _moe_rewrite_expert_parallel(self, x, topk_ids, topk_weight, out_dtype)
         if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
             raise NotImplementedError("moe-rewrite: moe_train does not support pretraining_tp > 1 (set it to 1)")
-        if callable(getattr(type(self.experts), "unshard", None)):  # an FSDP2 unit of its own (gathers in its run)
+        if _moe_rewrite_fsdp2_unit(self.experts):  # gathered around its moe_rewrite_run
             return _moe_rewrite_run_experts(self, x, topk_ids, topk_weight, out_dtype)
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)

@@ -23,6 +23,12 @@ def _moe_rewrite_unwrap(experts):
     return experts, wrappers
 
 
+def _moe_rewrite_fsdp2_unit(experts):
+    """Whether FSDP2 shards the experts module as a unit of its own (moe_rewrite_fully_shard): fully_shard gives its
+    class unshard(), and its parameters are gathered only around its forward or registered methods."""
+    return callable(getattr(type(experts), "unshard", None))
+
+
 def _moe_rewrite_parameter_lora(wrapper):
     """One ParamWrapper's LoRA adapters as the core reads them (as expert_linears.py's _moe_rewrite_lora): a tuple of
     (A, B, scaling, dropout), A and B weight sources over
@@ -130,9 +136,8 @@ class MoE:
         moe_train takes them per token. Under expert parallelism moe_train runs them too (moe_infer's own exchange
         needs ep_size == world size and even splits on gloo), and where FSDP2 shards the experts on their own
         (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run)."""
-        kind = type(self.experts)
-        own_unit = callable(getattr(kind, "unshard", None))
-        if hasattr(kind, "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not own_unit:
+        own_unit = _moe_rewrite_fsdp2_unit(self.experts)
+        if hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not own_unit:
             return self.moe_infer(x, topk_ids, topk_weight)
         tokens = x.shape[0]
         with torch.no_grad():
