@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import CONFIGS, import_patched, rewrite_fixture  # noqa: E402
+from bench_moe import CONFIGS, import_patched, moe_config, rewrite_fixture, routings  # noqa: E402
 
 SIZES = {**CONFIGS, "tiny": dict(E=8, H=64, I=32, k=2, N=64)}
 
@@ -34,17 +34,7 @@ SIZES = {**CONFIGS, "tiny": dict(E=8, H=64, I=32, k=2, N=64)}
 def build(modeling, configuration, cfg, ep, device):
     """The fixture's DeepseekV3MoE at the config's sizes, ep_size = ep, fused, in bf16 on `device`, expert e's
     weights drawn from seed 1000 + e (so any layout holds the same experts)."""
-    config = configuration.DeepseekV3Config(
-        hidden_size=cfg["H"],
-        moe_intermediate_size=cfg["I"],
-        n_routed_experts=cfg["E"],
-        num_experts_per_tok=cfg["k"],
-        n_shared_experts=None,
-        n_group=1,
-        topk_group=1,
-        hidden_act="silu",
-        ep_size=ep,
-    )
+    config = moe_config(configuration, cfg, ep_size=ep)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -60,19 +50,6 @@ def build(modeling, configuration, cfg, ep, device):
             experts.gate_up_proj[i].normal_(0, 0.02, generator=g)
             experts.down_proj[i].normal_(0, 0.02, generator=g)
     return moe.train()
-
-
-def data(cfg, device, rank):
-    """This rank's tokens, routing (top-k of a softmax with per-expert popularity) and output gradient."""
-    g = torch.Generator().manual_seed(1 + rank)
-    popularity = torch.randn(cfg["E"], generator=g)
-    probs = torch.softmax(torch.randn(cfg["N"], cfg["E"], generator=g) + popularity, dim=-1)
-    ids = torch.multinomial(probs, cfg["k"], replacement=False, generator=g)
-    weights = probs.gather(1, ids)
-    weights = weights / weights.sum(-1, keepdim=True)
-    x = torch.randn(cfg["N"], cfg["H"], generator=g) * 0.5
-    grad = torch.randn(cfg["N"], cfg["H"], generator=g) * 1e-2
-    return x.bfloat16().to(device), ids.to(device), weights.float().to(device), grad.bfloat16().to(device)
 
 
 def step(moe, x, ids, w, grad):
@@ -118,7 +95,7 @@ def main():
     cfg = SIZES[args.config]
     work = Path(tempfile.mkdtemp())
     modeling, configuration = import_patched(rewrite_fixture(work / f"patched_ep{rank}"), f"patched_ep{rank}")
-    x, ids, w, grad = data(cfg, device, rank)
+    x, ids, w, grad = routings(cfg, device, seed=1 + rank)[0]  # this rank's tokens, routing, output gradient
     name = torch.cuda.get_device_name() if cuda else "cpu"
     results = {"config": args.config, "sizes": cfg, "world": world, "backend": args.backend, "device": name}
 

@@ -144,16 +144,7 @@ def main():
     rows, notes = [], []
     for name in args.configs.split(","):
         cfg = b.CONFIGS[name]
-        config = configuration.DeepseekV3Config(
-            hidden_size=cfg["H"],
-            moe_intermediate_size=cfg["I"],
-            n_routed_experts=cfg["E"],
-            num_experts_per_tok=cfg["k"],
-            n_shared_experts=None,
-            n_group=1,
-            topk_group=1,
-            hidden_act="silu",
-        )
+        config = b.moe_config(configuration, cfg)
         torch.manual_seed(0)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)

@@ -66,6 +66,22 @@ def import_patched(directory: Path, name: str):
     )
 
 
+def moe_config(configuration, cfg, **more):
+    """The patched file's DeepseekV3Config for a MoE layer of `cfg`'s sizes (CONFIGS): routed experts only, one
+    group, SiLU; `more` sets other fields."""
+    return configuration.DeepseekV3Config(
+        hidden_size=cfg["H"],
+        moe_intermediate_size=cfg["I"],
+        n_routed_experts=cfg["E"],
+        num_experts_per_tok=cfg["k"],
+        n_shared_experts=None,
+        n_group=1,
+        topk_group=1,
+        hidden_act="silu",
+        **more,
+    )
+
+
 def kernel_of(modeling, x):
     kernel = modeling._moe_rewrite_kernel
     try:
@@ -384,16 +400,7 @@ def main():
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         torch.manual_seed(0)
-        config = configuration.DeepseekV3Config(
-            hidden_size=cfg["H"],
-            moe_intermediate_size=cfg["I"],
-            n_routed_experts=cfg["E"],
-            num_experts_per_tok=cfg["k"],
-            n_shared_experts=None,
-            n_group=1,
-            topk_group=1,
-            hidden_act="silu",
-        )
+        config = moe_config(configuration, cfg)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):

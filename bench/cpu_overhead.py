@@ -29,16 +29,7 @@ modeling, configuration = b.import_patched(
 )
 name = sys.argv[1] if len(sys.argv) > 1 else "seed"
 cfg = b.CONFIGS[name]
-config = configuration.DeepseekV3Config(
-    hidden_size=cfg["H"],
-    moe_intermediate_size=cfg["I"],
-    n_routed_experts=cfg["E"],
-    num_experts_per_tok=cfg["k"],
-    n_shared_experts=None,
-    n_group=1,
-    topk_group=1,
-    hidden_act="silu",
-)
+config = b.moe_config(configuration, cfg)
 torch.set_default_dtype(torch.bfloat16)
 with torch.device("cuda"):
     moe = modeling.DeepseekV3MoE(config).train()
