@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_model, patched_checkpoint, run_ranks
+from helpers import rel_err
 
 WORLD = 4
 # (name, ep_size, FSDP2): ep = world, ep x efsdp, FSDP2 without expert parallelism (experts a unit of their own), and
@@ -38,6 +39,11 @@ def _whole(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def _max_rel(got, want):
+    """max |got - want| / max |want|."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def _errors(model, ref, ep):
     """max |grad - reference| / max |reference| per parameter; the experts' against the rows of the experts this rank
     holds."""
@@ -52,7 +58,7 @@ def _errors(model, ref, ep):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and ep > 1:
             first = dist.get_rank() % ep * grad.shape[0]
             want = want[first : first + grad.shape[0]]
-        worst[name] = ((grad - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        worst[name] = _max_rel(grad, want)
     return worst
 
 
@@ -216,7 +222,7 @@ def _lora_setups(rank, ref, whole, ids, mask, labels, out_dir):
                 want = _local(key, adapters[key].grad, first, count) / WORLD
                 got = _whole(param.grad)
                 assert got is not None, (name, key)
-                worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+                worst = max(worst, _max_rel(got, want))
                 compared += 1
         worst = torch.tensor(worst)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -301,7 +307,7 @@ def _gpu_worker(rank, ckpt, out_dir):
         want = ref_grads[name].grad.float() / 2
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             want = want[rank * param.shape[0] : (rank + 1) * param.shape[0]]
-        worst = max(worst, ((param.grad.float() - want).norm() / want.norm()).item())
+        worst = max(worst, rel_err(param.grad.float(), want))
     if rank == 0:
         with open(os.path.join(out_dir, "gpu.json"), "w") as f:
             json.dump({"grad_error": worst}, f)
