@@ -146,9 +146,11 @@ class Model:
         import os
 
         adapter = kwargs.get("selected_adapters", [peft_model.active_adapter])[0]
-        whole = self.moe_rewrite_gathered_state_dict(peft_model, is_main_process)
-        state_dict = whole if is_main_process else {}  # FSDP2's shards made whole: PEFT would read the DTensors
-        peft_model.save_pretrained(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        # gathered under expert parallelism or FSDP2 (PEFT would read the DTensors); else PEFT reads the model itself
+        whole, gathered = _moe_rewrite_gathered_state_dict(peft_model, None, is_main_process)
+        if gathered:
+            kwargs["state_dict"] = whole if is_main_process else {}
+        peft_model.save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
         if not is_main_process or _moe_rewrite_ep_size(self) <= 1:
             return
         from safetensors.torch import load_file, save_file
