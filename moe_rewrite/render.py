@@ -38,6 +38,7 @@ SECTIONS = {
     "triton_gemm": "a Triton grouped GEMM for few rows per expert on sm90",
     "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
     "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
+    "fp8_experts": "FP8 block-quantized checkpoints: FP8Linear layers found, the others dequantized on loading",
     "fused_views": "expert i of the fused experts as a module of nn.Linear views of the fused parameters",
     "fused_experts": "the routed experts fused into two parameters (moe_rewrite_fuse_experts)",
     "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",

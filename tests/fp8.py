@@ -139,3 +139,25 @@ def write_fp8_checkpoint(model, directory) -> Path:
     for source in (inspect.getfile(type(model)), inspect.getfile(type(model.config))):
         shutil.copyfile(source, directory / Path(source).name)
     return directory
+
+
+def fp8_standin(tmp_path_factory, code: Path, dtype=torch.bfloat16) -> tuple[torch.nn.Module, Path]:
+    """(the model, the directory) of an FP8 stand-in checkpoint written from the V3 fixture rewritten into `code`,
+    built at fp8_config_overrides' sizes with per-expert experts (MOE_REWRITE_FUSE_EXPERTS=0 while it is built) in
+    `dtype`; its files are `code`'s, so it loads as that rewrite."""
+    import pytest
+    from conftest import build_model
+    from transformers import AutoConfig
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
+    try:
+        model = build_model(code, **fp8_config_overrides(AutoConfig.from_pretrained(code, trust_remote_code=True)))
+    finally:
+        monkeypatch.undo()
+    for module in model.modules():  # from_config leaves it uninitialised (a published checkpoint fills it)
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.data.normal_(0, 0.1)
+    model = model.to(dtype)
+    out = tmp_path_factory.mktemp("fp8") / f"fp8_standin_{code.name}"
+    return model, write_fp8_checkpoint(model, out)

@@ -15,6 +15,7 @@ from fp8 import (  # noqa: E402
     QUANTIZATION_CONFIG,
     dequantize_blockwise,
     fp8_config_overrides,
+    fp8_standin,
     quantize_blockwise,
     write_fp8_checkpoint,
 )
@@ -103,21 +104,8 @@ def test_bf16_weights_quantize_like_their_float32_values():
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """The V3 fixture rewritten, built at the FP8 stand-in's sizes with per-expert experts, written as FP8."""
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("MOE_REWRITE_FUSE_EXPERTS", "0")
-    try:
-        code = per_expert_checkpoint(tmp_path_factory, "v3")
-        from transformers import AutoConfig
-
-        model = build_model(code, **fp8_config_overrides(AutoConfig.from_pretrained(code, trust_remote_code=True)))
-    finally:
-        monkeypatch.undo()
-    for module in model.modules():  # from_config leaves it uninitialised (a published checkpoint fills it)
-        if hasattr(module, "e_score_correction_bias"):
-            module.e_score_correction_bias.data.normal_(0, 0.1)
-    model = model.to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("fp8") / "fp8_standin"
-    return model, write_fp8_checkpoint(model, out), code
+    code = per_expert_checkpoint(tmp_path_factory, "v3")
+    return (*fp8_standin(tmp_path_factory, code), code)
 
 
 def test_the_stand_in_is_quantized_like_the_published_v3_checkpoint(fp8_checkpoint):

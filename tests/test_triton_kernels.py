@@ -221,6 +221,34 @@ def test_the_grouped_gemm_kernel_gives_each_experts_product(kernels, mode, count
         start += count
 
 
+@pytest.mark.parametrize("mode", ["fwd", "dgrad"])
+def test_the_grouped_gemm_kernel_reads_fp8_codes_with_their_block_scales(kernels, mode):
+    """FP8 block-quantized experts (float8_e4m3fn codes, a float32 scale per 128 x 128 block): the kernel multiplies
+    each weight tile by its scales and gives each expert's product with the weights dequantized to the rows' dtype, in
+    float64; empty experts, a ragged row tile, a product narrower than the scale blocks on the CPU's small tile."""
+    from fp8 import quantize_blockwise
+
+    device, kernels = kernels
+    torch.manual_seed(7)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    counts = [0, 7, 40, 3, 0] if device == "cpu" else [0, 70, 400, 3, 0]
+    out, inner = (256, 384) if device == "cpu" else (1024, 2048)
+    parts = [quantize_blockwise(torch.randn(out, inner) * 0.05) for _ in counts]
+    codes = torch.stack([q for q, _ in parts]).to(device)
+    scales = torch.stack([s for _, s in parts]).to(device)
+    real = grouped_linear._moe_rewrite_dequantize(codes, scales, dtype).double()
+    offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
+    a = torch.randn(sum(counts), inner if mode == "fwd" else out, device=device, dtype=dtype)
+    got = triton_gemm._moe_rewrite_grouped_mm(kernels, a, codes, offsets, mode, scales)
+    assert got.shape == (sum(counts), out if mode == "fwd" else inner) and got.dtype == dtype
+    start = 0
+    for e, count in enumerate(counts):
+        want = a[start : start + count].double() @ (real[e].t() if mode == "fwd" else real[e])
+        rtol = 1e-2 if device == "cuda" else 1e-5
+        assert torch.allclose(got[start : start + count].double(), want, atol=1e-3, rtol=rtol), e
+        start += count
+
+
 def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypatch, kernels):
     """_moe_rewrite_gmm("torch", ...) runs the Triton grouped GEMM for the forward and input-gradient products on sm90
     at no more than 160 rows per expert, one tile wide and whole tiles deep; torch._grouped_mm for the weight

@@ -24,6 +24,7 @@ PRETRAINED_BASE = m.Name("PreTrainedModel") | m.Attribute(attr=m.Name("PreTraine
 SHARED = [
     "expert_linears",
     "parameter_lora",
+    "fp8_experts",
     "fused_views",
     "fused_experts",
     "fused_checkpoint",

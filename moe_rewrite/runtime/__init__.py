@@ -17,6 +17,9 @@ sections it needs and imports nothing from moe-rewrite.
     triton_*           Triton kernels with their launchers, one family per file (route, gather, swiglu, sum_rows,
                        gemm; triton_block: their column block) for the memory-bound steps and a grouped GEMM for few
                        rows per expert on sm90
+    fp8_experts        FP8 block-quantized checkpoints (DeepSeek-V3's as shipped): transformers' FP8Linear layers
+                       recognised, the experts fused with their codes and scales, the other layers dequantized on
+                       loading; Model.moe_rewrite_dequantize_experts
     fused_views        expert i of the fused experts as nn.Linear views of the fused parameters (experts[i])
     fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> _MoeRewriteExpertMLP

@@ -97,6 +97,8 @@ class _MoeRewriteExpertLinears:
     _moe_rewrite_direct_grads) autograd connects one weight only and grads() writes every expert's .grad itself.
     """
 
+    scale = None  # not block-quantized
+
     def __init__(self, weights, parts):
         self.weights, self.parts = tuple(weights), parts
         rows, cols = self.weights[0].shape

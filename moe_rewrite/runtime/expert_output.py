@@ -49,7 +49,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = act_fn(gate) * up
-        out = _moe_rewrite_gmm(kernel, hidden, stacked, offsets, "fwd")
+        out = _moe_rewrite_gmm(kernel, hidden, stacked, offsets, "fwd", source.scale)
         ctx.kernel, ctx.source, ctx.act_fn, ctx.kernels = kernel, source, act_fn, kernels
         kept = _moe_rewrite_kept(stacked, keep_stacked, tensors)
         ctx.save_for_backward(gate_up, topk_weight, route.order, route.tokens, route.positions, offsets, kept)
@@ -72,7 +72,8 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             # weights' dot products and the weighted rows (written over the dgrad's output), then the down wgrad
             if stacked is None:
                 stacked = ctx.source.stacked(gate_up.dtype)
-            grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
+            # unweighted
+            grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad", ctx.source.scale)
             stacked = None  # a rebuilt copy is freed before the gradients below are allocated
             grad_gate_up, per_row = _moe_rewrite_swiglu_backward(
                 kernels, gate_up, grad_hidden, row_weight, weighted=any(tensor_grads)
@@ -96,7 +97,7 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
             weighted = None
         if stacked is None:
             stacked = ctx.source.stacked(gate_up.dtype)
-        grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad")  # unweighted
+        grad_hidden = _moe_rewrite_gmm(kernel, grad_rows, stacked, offsets, "dgrad", ctx.source.scale)  # unweighted
         stacked = grad_rows = None  # freed before the gradients below are allocated
         per_row = (grad_hidden * hidden).sum(dim=-1, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_weight = _moe_rewrite_row_weight_grad(ctx, per_row, order, topk_weight)

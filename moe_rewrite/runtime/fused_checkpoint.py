@@ -7,6 +7,8 @@ import torch
 
 from .expert_linears import MOE_REWRITE_PROJECTIONS
 from .expert_parallel_model import _moe_rewrite_gathered_state_dict
+from .fp8_experts import _moe_rewrite_model_dtype
+from .grouped_linear import _moe_rewrite_dequantize
 
 
 def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
@@ -27,21 +29,42 @@ def _moe_rewrite_stack_experts(gate_w, up_w, down_w):
 def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, *args):
     """load_state_dict pre-hook of fused experts: the checkpoint's per-expert keys load into the fused parameters, also
     a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
-    some are reported missing."""
+    some are reported missing. FP8 experts take the checkpoint's FP8 codes (weight) and block scales
+    (weight_scale_inv) of each projection."""
+    fields = [("weight", "")]  # (checkpoint key suffix, fused parameter suffix)
+    if module.moe_rewrite_fp8():
+        fields.append(("weight_scale_inv", "_scale_inv"))
+    for key_suffix, param_suffix in fields:
+        _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, param_suffix)
+
+
+def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, param_suffix):
+    """_moe_rewrite_merge_experts for one field: the per-expert `{i}.{projection}.{key_suffix}` keys into
+    gate_up_proj{param_suffix} and down_proj{param_suffix}."""
     projections = list(enumerate(MOE_REWRITE_PROJECTIONS))  # (role, name): role 0 gate, 1 up, 2 down
     first = module.first_expert  # the keys number the layer's experts; a rank under expert parallelism holds some
-    keys = [(i, role, f"{prefix}{first + i}.{name}.weight") for i in range(len(module)) for role, name in projections]
+    keys = [
+        (i, role, f"{prefix}{first + i}.{name}.{key_suffix}") for i in range(len(module)) for role, name in projections
+    ]
     found = [key for key in keys if key[2] in state_dict]
     if not found:
         return
-    gate_up, down = module.gate_up_proj, module.down_proj
+    names = (f"gate_up_proj{param_suffix}", f"down_proj{param_suffix}")
+    gate_up, down = (module._parameters[name] for name in names)
+    if key_suffix == "weight" and module.moe_rewrite_fp8():
+        dtypes = {state_dict[key].dtype for _, _, key in found}
+        if dtypes != {gate_up.dtype}:
+            raise RuntimeError(
+                f"moe-rewrite: {found[0][2]} is {dtypes.pop()}, and these experts hold FP8 block-quantized codes: load "
+                "a checkpoint of real numbers into experts that are not FP8"
+            )
     if gate_up.is_meta or type(gate_up) is not torch.nn.Parameter:
         # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.
         if len(found) == len(keys):
             tensors = [state_dict.pop(key) for _, _, key in keys]
-            gate_up, down = _moe_rewrite_stack_experts(tensors[0::3], tensors[1::3], tensors[2::3])
-            for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
-                param = getattr(module, name)
+            stacked = _moe_rewrite_stack_experts(tensors[0::3], tensors[1::3], tensors[2::3])
+            for name, value in zip(names, stacked):
+                param = module._parameters[name]
                 if hasattr(param, "device_mesh"):  # every rank holds the full tensor: keep this rank's shard
                     from torch.distributed.tensor import distribute_tensor
 
@@ -59,14 +82,15 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
     loaded = {key for _, _, key in found}
     missing_keys.extend(key for _, _, key in keys if key not in loaded)
     # What was copied counts as loaded, the fused names are not reported missing.
-    state_dict.setdefault(prefix + "gate_up_proj", gate_up.detach())
-    state_dict.setdefault(prefix + "down_proj", down.detach())
+    state_dict.setdefault(prefix + names[0], gate_up.detach())
+    state_dict.setdefault(prefix + names[1], down.detach())
 
 
 def _moe_rewrite_unfuse_state_dict(state_dict, model):
     """For save_pretrained: the state dict (the model's own when None) with every fused experts' gate_up_proj /
     down_proj pair written as the checkpoint's per-expert keys, as CPU copies; None when the model's own state dict
-    holds no fused experts (save_pretrained then writes it as usual)."""
+    holds no fused experts (save_pretrained then writes it as usual). FP8 experts are written dequantized, in the
+    model's dtype (with a warning): the rest of the model is (fp8_experts.py), and a merged adapter needs it."""
     own = state_dict is None
     if own:
         state_dict = model.state_dict()
@@ -74,22 +98,36 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
     fused = {prefix for prefix in fused if prefix + "down_proj" in state_dict}
     if own and not fused:
         return None
+    fp8 = {prefix for prefix in fused if prefix + "gate_up_proj_scale_inv" in state_dict}
+    if fp8:
+        import warnings
+
+        warnings.warn(
+            "moe-rewrite: the FP8 experts are saved dequantized, in the model's dtype (twice the size of the FP8 "
+            "checkpoint), as the rest of the model is",
+            stacklevel=3,
+        )
+    dtype = _moe_rewrite_model_dtype(model)
     unfused = {}
     for key, value in state_dict.items():
         prefix, _, name = key.rpartition(".")
         prefix += "."
-        if prefix in fused and name == "down_proj":
+        if prefix in fused and name in ("down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
             continue  # written with its gate_up_proj
         if prefix not in fused or name != "gate_up_proj":
             unfused[key] = value
-        else:
-            down = state_dict[prefix + "down_proj"].detach()
-            value, inter = value.detach(), down.shape[2]
-            for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
-                gate, up, down_name = MOE_REWRITE_PROJECTIONS
-                unfused[f"{prefix}{i}.{gate}.weight"] = value[i, :inter].to("cpu", copy=True)
-                unfused[f"{prefix}{i}.{up}.weight"] = value[i, inter:].to("cpu", copy=True)
-                unfused[f"{prefix}{i}.{down_name}.weight"] = down[i].to("cpu", copy=True)
+            continue
+        down = state_dict[prefix + "down_proj"].detach()
+        value, inter = value.detach(), down.shape[2]
+        for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
+            gate_up_i, down_i = value[i], down[i]
+            if prefix in fp8:
+                gate_up_i = _moe_rewrite_dequantize(gate_up_i, state_dict[prefix + "gate_up_proj_scale_inv"][i], dtype)
+                down_i = _moe_rewrite_dequantize(down_i, state_dict[prefix + "down_proj_scale_inv"][i], dtype)
+            gate, up, down_name = MOE_REWRITE_PROJECTIONS
+            unfused[f"{prefix}{i}.{gate}.weight"] = gate_up_i[:inter].to("cpu", copy=True)
+            unfused[f"{prefix}{i}.{up}.weight"] = gate_up_i[inter:].to("cpu", copy=True)
+            unfused[f"{prefix}{i}.{down_name}.weight"] = down_i.to("cpu", copy=True)
     return unfused
 
 

@@ -14,9 +14,15 @@ from .expert_linears import (
     _moe_rewrite_linear_weights,
     _moe_rewrite_projections,
 )
+from .fp8_experts import _moe_rewrite_fp8_experts
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
 from .fused_views import _MoeRewriteExpertProjection, _MoeRewriteFusedExpert, _MoeRewriteMadeViews
-from .grouped_linear import _MoeRewriteExpertMLP, _MoeRewriteExpertWeight
+from .grouped_linear import (
+    _moe_rewrite_dequantize,
+    _MoeRewriteExpertMLP,
+    _MoeRewriteExpertWeight,
+    _MoeRewriteFP8ExpertWeight,
+)
 from .moe_train import _moe_rewrite_grouped_experts
 from .parameter_lora import _moe_rewrite_load_expert_lora, _moe_rewrite_parameter_adapters, _moe_rewrite_unwrap
 
@@ -37,14 +43,26 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
 
     Under expert parallelism a rank holds experts first_expert, first_expert + 1, ... of the layer: the views, the
     checkpoint keys and PEFT's names keep those global numbers; len(), iteration and experts[i] count the held ones.
+
+    FP8 block-quantized experts (`scales`: the per-expert weight_scale_inv of FP8 checkpoints, fp8_experts.py) keep
+    their float8_e4m3fn codes in gate_up_proj and down_proj and their scales in gate_up_proj_scale_inv
+    (E, 2 * intermediate / 128, hidden / 128) and down_proj_scale_inv (E, hidden / 128, intermediate / 128), as
+    transformers' own FP8 experts name them; all four are frozen. The views dequantize to `dtype`, the model's.
     """
 
-    def __init__(self, act_fn, gate_w, up_w, down_w, first_expert=0):
+    def __init__(self, act_fn, gate_w, up_w, down_w, first_expert=0, scales=None, dtype=None):
         super().__init__()
         self.act_fn, self.first_expert = act_fn, first_expert
         gate_up, down = _moe_rewrite_stack_experts(gate_w, up_w, down_w)
-        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=gate_w[0].requires_grad)
-        self.down_proj = torch.nn.Parameter(down, requires_grad=gate_w[0].requires_grad)
+        trainable = gate_w[0].requires_grad and scales is None
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=trainable)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=trainable)
+        if scales is not None:
+            gate_up_scale, down_scale = _moe_rewrite_stack_experts(*scales)
+            # float32, as checkpoints hold them (transformers 4.x loads them in the model's dtype)
+            self.gate_up_proj_scale_inv = torch.nn.Parameter(gate_up_scale.float(), requires_grad=False)
+            self.down_proj_scale_inv = torch.nn.Parameter(down_scale.float(), requires_grad=False)
+            self.dequantized_dtype = dtype or torch.bfloat16
         for i in range(len(gate_w)):
             self.add_module(str(first_expert + i), _MoeRewriteFusedExpert(self, i))
         # The views and their projections as made, for _moe_rewrite_own_projections (a plain attribute, not a module)
@@ -67,7 +85,22 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
 
     def extra_repr(self):
         experts, double_inter, hidden = self.gate_up_proj.shape
-        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}"
+        fp8 = ", fp8 (128 x 128 blocks)" if self.moe_rewrite_fp8() else ""
+        return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}{fp8}"
+
+    def moe_rewrite_fp8(self):
+        """Whether the experts hold FP8 block-quantized weights (codes and scales)."""
+        return "gate_up_proj_scale_inv" in self._parameters
+
+    def moe_rewrite_dequantize(self):
+        """FP8 experts become bf16 (the model's dtype) experts, trainable: twice the memory; LoRA adapters can then be
+        merged into them. Nothing happens to experts that are not FP8."""
+        if not self.moe_rewrite_fp8():
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            scale = self._parameters.pop(f"{name}_scale_inv")
+            weight = _moe_rewrite_dequantize(self._parameters[name], scale, self.dequantized_dtype)
+            self._parameters[name] = torch.nn.Parameter(weight)
 
     def forward(self, x, topk_ids, topk_weight, out_dtype=None):
         """The experts' weighted outputs (moe_rewrite_run), what PEFT's wrappers call with their adapters applied to
@@ -93,6 +126,12 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights(wrappers)
         if weights is not None:
             return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, out_dtype)
+        if (wrappers or parametrized) and self.moe_rewrite_fp8():
+            raise RuntimeError(
+                "moe-rewrite: PEFT's own forward over FP8 block-quantized experts adds its adapters to the FP8 codes, "
+                "ignoring their scales; the grouped GEMMs run one active LoRA adapter without dropout on the fused "
+                "parameters (or use target_modules on the experts' projections)"
+            )
         if wrappers and not parametrized:  # PEFT's forward: its adapters merged into the parameters, then this
             y = wrappers[0](x, topk_ids, topk_weight)
         else:
@@ -120,7 +159,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
             return None
         for name, loras in fused_adapters.items():
             adapters[name] = adapters.get(name, ()) + loras
-        gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
+        if self.moe_rewrite_fp8():
+            gate_up = _MoeRewriteFP8ExpertWeight(self.gate_up_proj, self.gate_up_proj_scale_inv)
+            down = _MoeRewriteFP8ExpertWeight(self.down_proj, self.down_proj_scale_inv)
+        else:
+            gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
         return _MoeRewriteExpertMLP(gate_up, down, self.act_fn, adapters)
 
     def _moe_rewrite_own_projections(self):
@@ -216,15 +259,21 @@ class MoE:
         reason = _moe_rewrite_experts_differ(experts)
         if reason is not None:
             raise RuntimeError(f"moe-rewrite: these experts cannot be fused: {reason}")
+        # FP8 block-quantized projections (transformers' FP8Linear) fuse with their block scales
+        try:
+            fp8 = _moe_rewrite_fp8_experts(experts)
+        except RuntimeError as error:
+            raise RuntimeError(f"moe-rewrite: these experts cannot be fused: {error}") from None
+        own = {f"{name}.{suffix}" for name in MOE_REWRITE_PROJECTIONS for suffix in ("weight", "weight_scale_inv")}
         for i, expert in enumerate(experts):
             held = {name for name, _ in expert.named_parameters()} | {name for name, _ in expert.named_buffers()}
-            extra = held - {f"{name}.weight" for name in MOE_REWRITE_PROJECTIONS}
+            extra = held - {f"{name}.weight" for name in MOE_REWRITE_PROJECTIONS} if fp8 is None else held - own
             if extra:
                 raise RuntimeError(
                     f"moe-rewrite: expert {i} holds {', '.join(sorted(extra))}, which the grouped GEMMs do not "
                     "compute; fusing would drop it, so these experts stay as they are"
                 )
-        weights = _moe_rewrite_linear_weights(experts)
+        weights, scales = fp8 or (_moe_rewrite_linear_weights(experts), None)
         if weights is None:
             raise RuntimeError(
                 "moe-rewrite: only experts made of plain, whole, bias-free nn.Linear layers can be fused (not LoRA "
@@ -239,8 +288,10 @@ class MoE:
             raise RuntimeError("moe-rewrite: experts dispatched or offloaded by accelerate (device_map) are not fused")
         if not allow_meta and any(w.is_meta for w in flat):
             raise RuntimeError("moe-rewrite: the expert weights are on the meta device; fuse them once they are loaded")
-        if len({(w.dtype, w.device, w.requires_grad) for w in flat}) != 1:
+        if len({(w.dtype, w.device, w.requires_grad or scales is not None) for w in flat}) != 1:
             raise RuntimeError("moe-rewrite: fusing needs every expert weight in one dtype, device and requires_grad")
-        self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights, first_expert=first)
+        dtype = getattr(getattr(self, "gate", None), "weight", None)  # the router's: the model's dtype
+        dtype = dtype.dtype if isinstance(dtype, torch.Tensor) and dtype.is_floating_point() else None
+        self.experts = _MoeRewriteFusedExperts(experts[0].act_fn, *weights, first, scales, dtype)
         self.register_load_state_dict_pre_hook(_moe_rewrite_load_expert_lora)
         return self.experts

@@ -4,6 +4,8 @@ ForCausalLM, ...) comes out of from_pretrained and from_config with each MoE lay
 
 import torch
 
+from .fp8_experts import _moe_rewrite_dequantize_fp8_layers, _moe_rewrite_fp8_checkpoint, _moe_rewrite_fp8_loading
+
 
 def _moe_rewrite_fuse_model(model, loading=False):
     """Fuse the routed experts of every MoE layer that can be fused (on loading).
@@ -38,6 +40,8 @@ def _moe_rewrite_loader_fuses_experts(config):
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     if getattr(config, "ep_size", 1) > 1:  # each rank fuses its own experts after loading them
         return False
+    if _moe_rewrite_fp8_checkpoint(config):  # the loader would drop the experts' scales: fused after loading
+        return False
     return major == 5 and minor < 13 and getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
 
 
@@ -64,8 +68,12 @@ def _moe_rewrite_ignore_other_experts(model):
 class Model:
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """Load as PreTrainedModel.from_pretrained does, then fuse the routed experts."""
+        """Load as PreTrainedModel.from_pretrained does, then fuse the routed experts. From an FP8 block-quantized
+        checkpoint (DeepSeek-V3's, loaded by transformers' FP8 quantizer), the experts stay FP8 (frozen) and the other
+        layers are dequantized (fp8_experts.py)."""
         wants_info = kwargs.get("output_loading_info", False)
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        kwargs = _moe_rewrite_fp8_loading(cls, path, kwargs)
         model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
         unexpected = info.get("unexpected_keys", ())
         fused_keys = [k for k in unexpected if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
@@ -77,6 +85,10 @@ class Model:
                 "moe_rewrite.training.unfuse_state_dict(model, state_dict)"
             )
         _moe_rewrite_fuse_model(model)
+        # an FP8 checkpoint: the layers other than the fused experts as real numbers (those that could not be fused
+        # with their FP8 weights too, which then fuse as such)
+        if _moe_rewrite_dequantize_fp8_layers(model):
+            _moe_rewrite_fuse_model(model)
         return (model, info) if wants_info else model
 
     def post_init(self):

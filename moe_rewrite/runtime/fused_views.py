@@ -7,6 +7,8 @@ step. Always generated (with fused_experts.py).
 import torch
 
 from .expert_linears import MOE_REWRITE_PROJECTIONS
+from .fp8_experts import _MoeRewriteDequantized
+from .grouped_linear import _moe_rewrite_dequantize
 
 
 class _MoeRewriteMadeViews:
@@ -50,12 +52,25 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
         torch.nn.Module.__init__(self)
         object.__setattr__(self, "_moe_rewrite_experts", experts)  # not a submodule (experts holds this)
         self.index, self.name, self.rows = index, name, rows
-        out_features, in_features = self.weight.shape
+        out_features, in_features = self.codes().shape
         self.in_features, self.out_features, self.bias = in_features, out_features, None
 
-    @property
-    def weight(self):
+    def codes(self):
+        """This projection's slice of the fused parameter (FP8 experts: their codes)."""
         experts = self._moe_rewrite_experts
         if self.rows is None:
             return experts.down_proj[self.index]
         return experts.gate_up_proj[self.index, self.rows]
+
+    @property
+    def weight(self):
+        experts = self._moe_rewrite_experts
+        if not experts.moe_rewrite_fp8():
+            return self.codes()
+        # FP8 experts: the codes times their blocks' scales, a copy that refuses merges (_MoeRewriteDequantized)
+        if self.rows is None:
+            scale = experts.down_proj_scale_inv[self.index]
+        else:
+            scale = experts.gate_up_proj_scale_inv[self.index, self.rows.start // 128 : self.rows.stop // 128]
+        real = _moe_rewrite_dequantize(self.codes(), scale, experts.dequantized_dtype)
+        return torch.Tensor._make_subclass(_MoeRewriteDequantized, real)

@@ -4,25 +4,37 @@ rows into expert order. Always generated.
 
 The core never asks how the expert weights are laid out: it gets them from the MoE layer's
 `moe_rewrite_expert_weights()` (fused_experts.py, or per_expert.py with --no-fuse-experts) as a _MoeRewriteExpertMLP
-of weight sources, objects with `tensors`, `shape` (E, out, in), `stacked(dtype)` and `grads(compute)`;
-`_MoeRewriteExpertWeight` below is the one for an (E, out, in) tensor, expert_linears.py's the one for E nn.Linear
-weights (and PEFT's LoRA adapters on them).
+of weight sources, objects with `tensors`, `shape` (E, out, in), `stacked(dtype)`, `scale` and `grads(compute)`;
+`_MoeRewriteExpertWeight` below is the one for an (E, out, in) tensor, `_MoeRewriteFP8ExpertWeight` the one for FP8
+block-quantized experts (DeepSeek-V3's checkpoints as shipped), expert_linears.py's the one for E nn.Linear weights
+(and PEFT's LoRA adapters on them).
 """
 
 import torch
 
-from .dispatch import _moe_rewrite_gemm_by_triton, _moe_rewrite_grouped_gemm, _moe_rewrite_triton
+from .dispatch import _moe_rewrite_gemm_by_triton, _moe_rewrite_grouped_gemm, _moe_rewrite_setting, _moe_rewrite_triton
 from .route import _moe_rewrite_gather, _moe_rewrite_token_sums, _MoeRewriteRoute
-from .triton_gemm import _moe_rewrite_grouped_mm
+from .triton_gemm import _moe_rewrite_gemm_fits, _moe_rewrite_grouped_mm
 
 
-def _moe_rewrite_gmm(kernel, a, b, offsets, mode):
+def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     """One grouped GEMM over rows sorted by expert; `offsets` holds the cumulative row counts per expert (int32).
 
     mode "fwd":   a (rows, in),  b (E, out, in) -> (rows, out), each row times its expert's weight transposed
     mode "dgrad": a (rows, out), b (E, out, in) -> (rows, in)
     mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
+
+    `scale`: b holds FP8 codes and this its 128 x 128 block scales (_MoeRewriteFP8ExpertWeight): the Triton kernel
+    reads b as it is and multiplies each tile by its scales where it runs (CUDA, bf16 or fp16 rows, whole tiles),
+    else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`.
     """
+    if scale is not None:
+        kernels = _moe_rewrite_triton(a.device, a.dtype)
+        n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
+        fits = _moe_rewrite_gemm_fits(n, k) and a.dtype in (torch.bfloat16, torch.float16)
+        if kernels is not None and fits and _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0":
+            return _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode, scale)
+        b = _moe_rewrite_dequantize(b, scale, a.dtype)
     if kernel == "torch":
         if mode != "wgrad" and b.stride(2) == 1:
             n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
@@ -58,6 +70,8 @@ class _MoeRewriteExpertWeight:
     """The weight source of one (E, out, in) tensor (a fused experts parameter): autograd connects the tensor itself,
     the GEMMs read it cast to the compute dtype, and its gradient comes back in its own dtype (as nn.Linear's does)."""
 
+    scale = None  # not block-quantized
+
     def __init__(self, weight):
         self.weight, self.shape = weight, weight.shape
         self.tensors = (weight,)
@@ -67,6 +81,46 @@ class _MoeRewriteExpertWeight:
 
     def grads(self, compute):
         return (compute().to(self.weight.dtype),)
+
+
+def _moe_rewrite_dequantize(weight, scale, dtype, block=128):
+    """FP8 block-quantized weights as real numbers: `weight` (..., out, in) holds the codes (float8_e4m3fn, or any
+    dtype holding them exactly), `scale` (..., ceil(out / block), ceil(in / block)) each block's scale (the
+    checkpoint's weight_scale_inv, a multiplier despite its name): codes times their block's scale in float32, rounded
+    once to `dtype`, as DeepSeek's weight_dequant computes it (partial last blocks use their own scale). A few experts
+    at a time, so that the float32 products stay small."""
+    out, inner = weight.shape[-2:]
+    result = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    flat, flat_scale, flat_result = (
+        weight.reshape(-1, out, inner),
+        scale.reshape(-1, *scale.shape[-2:]),
+        result.view(-1, out, inner),
+    )
+    step = max(1, (1 << 28) // max(1, out * inner))  # about 1 GiB of float32 products at a time
+    for start in range(0, flat.shape[0], step):
+        s = flat_scale[start : start + step].float().repeat_interleave(block, -2)[:, :out]
+        s = s.repeat_interleave(block, -1)[:, :, :inner]
+        flat_result[start : start + step] = flat[start : start + step].float() * s
+    return result
+
+
+class _MoeRewriteFP8ExpertWeight:
+    """The weight source of FP8 block-quantized fused experts (DeepSeek-V3, R1, Kimi-K2 as shipped): `weight`
+    (E, out, in) holds float8_e4m3fn codes and `scale` (E, out / 128, in / 128) the float32 scale of each 128 x 128
+    block. Frozen: the GEMMs read the codes and scales as they are (_moe_rewrite_gmm), in the forward and the input
+    gradient, and no weight gradient is ever computed (the weight is kept, not copied, for backward)."""
+
+    def __init__(self, weight, scale):
+        if weight.requires_grad or scale.requires_grad:
+            raise RuntimeError(
+                "moe-rewrite: FP8 block-quantized experts are frozen (train adapters on them, e.g. LoRA): set "
+                "requires_grad=False on their weights and scales"
+            )
+        self.weight, self.scale, self.shape = weight, scale, weight.shape
+        self.tensors = (weight,)
+
+    def stacked(self, dtype):
+        return self.weight
 
 
 class _MoeRewriteExpertMLP:
@@ -128,7 +182,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         else:
             kept = (route.order, route.tokens, route.positions)
         ctx.save_for_backward(x, offsets, _moe_rewrite_kept(stacked, keep_stacked, tensors), *kept)
-        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd")
+        return _moe_rewrite_gmm(kernel, _moe_rewrite_rows(ctx, x, route), stacked, offsets, "fwd", source.scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -139,7 +193,7 @@ class _MoeRewriteGroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if stacked is None:
                 stacked = ctx.source.stacked(ctx.dtype)
-            grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad")
+            grad_x = _moe_rewrite_gmm(ctx.kernel, grad, stacked, offsets, "dgrad", ctx.source.scale)
             del stacked  # a rebuilt copy is freed before the weight gradients are allocated
             if ctx.rows is not None:
                 grad_x = _moe_rewrite_token_sums(ctx.kernels, grad_x, route, ctx.top_k, x.dtype)

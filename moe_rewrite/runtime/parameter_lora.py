@@ -49,9 +49,24 @@ def _moe_rewrite_parameter_lora(wrapper):
     if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
         return None
     lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
+    if lhs.dtype != lora_a[names[0]].weight.dtype:  # cast to the parameter's dtype: FP8 codes' would round them
+        lhs, rhs = _moe_rewrite_delta_factors(wrapper, names[0])
     # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
     # expert as its fastest dim, so it is copied (out * r * E elements, with autograd).
     return ((_MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout),)
+
+
+def _moe_rewrite_delta_factors(wrapper, name):
+    """PEFT's get_delta_factors(name) before it casts them to the parameter's dtype (FP8 experts' float8 codes): lora_A
+    (r * E, in) read as (E, r, in), lora_B (out, r * E) as (E, out, r), in the order PEFT multiplies them (swapped
+    where PEFT read the parameter as (E, in, out); its _did_swap_in_out_features says which, as get_delta_factors reads
+    it). tests/test_fp8.py checks the gradients against the same adapters on real numbers."""
+    weight_a, weight_b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+    weight_a = weight_a.reshape(wrapper.num_experts, -1, weight_a.shape[-1])
+    weight_b = weight_b.reshape(weight_b.shape[0], -1, wrapper.num_experts).permute(2, 0, 1)
+    if wrapper._did_swap_in_out_features:
+        return weight_b, weight_a
+    return weight_a.transpose(-2, -1), weight_b.transpose(-2, -1)
 
 
 def _moe_rewrite_parameter_adapters(wrappers):
@@ -134,10 +149,12 @@ class MoE:
         them with their adapters, without gradients as moe_infer, and returns x's dtype as moe_infer does. The V1 form
         passes flat ids and (tokens * top_k, 1) weights (moe-rewrite proved them views of the (tokens, top_k) ones);
         moe_train takes them per token. Under expert parallelism moe_train runs them too (moe_infer's own exchange
-        needs ep_size == world size and even splits on gloo), and where FSDP2 shards the experts on their own
-        (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run)."""
+        needs ep_size == world size and even splits on gloo), where FSDP2 shards the experts on their own
+        (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run), and for FP8 experts (moe_infer
+        would dequantize them one by one)."""
         own_unit = _moe_rewrite_fsdp2_unit(self.experts)
-        if hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not own_unit:
+        fp8 = getattr(_moe_rewrite_unwrap(self.experts)[0], "moe_rewrite_fp8", lambda: False)()
+        if hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not (own_unit or fp8):
             return self.moe_infer(x, topk_ids, topk_weight)
         tokens = x.shape[0]
         with torch.no_grad():

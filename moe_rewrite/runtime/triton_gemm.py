@@ -1,6 +1,8 @@
 """A grouped GEMM in Triton (forward and input-gradient products over rows sorted by expert) that runs its tiles
-expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_gemm_by_triton decides). CUDA with
-triton; triton is imported when the kernel is built, never at import.
+expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_gemm_by_triton decides), and for FP8
+block-quantized experts at any size (grouped_linear.py's _moe_rewrite_gmm: it reads the FP8 codes and their block
+scales, and multiplies each weight tile by its scales in registers). CUDA with triton; triton is imported when the
+kernel is built, never at import.
 """
 
 from .triton_block import _moe_rewrite_triton_modules
@@ -26,16 +28,24 @@ def _moe_rewrite_gemm_kernels():
         b_expert_stride,
         b_n_stride,
         b_k_stride,
+        scales,
+        s_expert_stride,
+        s_n_stride,
+        s_k_stride,
         EXPERTS: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         """out[r] = a[r] @ b[e]^T for the rows r of expert e (offsets: the cumulative rows per expert), b[e] read as
         (n, k) through its strides; a (rows, k) and out (rows, n) contiguous, k a multiple of BK. Program p takes the
         p-th (BM x BN) tile in the order (expert, column strip, row tile), counted from the offsets here (no host
         work): an expert's row tiles of one weight strip run side by side and read it from HBM once (bench/NOTES.md,
-        change 26). Programs past the last tile return; rows past the last offset are neither read nor written."""
+        change 26). Programs past the last tile return; rows past the last offset are neither read nor written.
+        SCALED: b holds FP8 codes and `scales` the scale of each of its 128 x 128 blocks (read through its strides as
+        (E, n / 128, k / 128)); each weight tile is multiplied by its scales in float32 and rounded to a's dtype (the
+        weights exactly as dequantized to it), then multiplied as usual. BK divides 128."""
         pid = tl.program_id(0)
         e_all = tl.arange(0, EXPERTS)
         ends = tl.load(offsets + e_all, mask=e_all < experts, other=0)
@@ -55,10 +65,14 @@ def _moe_rewrite_gemm_kernels():
             ks = tl.arange(0, BK)
             a_at = a + tl.where(in_rows, rows, 0).to(tl.int64)[:, None] * k + ks[None, :]
             b_at = b + e.to(tl.int64) * b_expert_stride + cols[None, :] * b_n_stride + ks[:, None] * b_k_stride
+            s_at = scales + e.to(tl.int64) * s_expert_stride + (cols // 128) * s_n_stride
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for _ in range(0, k, BK):
+            for depth in range(0, k, BK):
                 a_tile = tl.load(a_at, mask=in_rows[:, None], other=0.0)
                 b_tile = tl.load(b_at, mask=in_cols, other=0.0)
+                if SCALED:
+                    scale = tl.load(s_at + (depth // 128) * s_k_stride, mask=cols < n, other=0.0)
+                    b_tile = (b_tile.to(tl.float32) * scale[None, :]).to(a_tile.dtype)
                 acc = tl.dot(a_tile, b_tile, acc)
                 a_at += BK
                 b_at += BK * b_k_stride
@@ -74,17 +88,20 @@ def _moe_rewrite_gemm_fits(n, k):
     return n >= bn and k % bk == 0
 
 
-def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
+def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode, scale=None):
     """grouped_linear.py's _moe_rewrite_gmm's "fwd" (a @ b[e]^T, b (E, n, k)) or "dgrad" (a @ b[e], b (E, k, n)) product
     for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
-    torch._grouped_mm gives, those past the last offset left unwritten as there."""
+    torch._grouped_mm gives, those past the last offset left unwritten as there. `scale`: b's FP8 block scales
+    (E, out / 128, in / 128) of b (E, out, in)."""
     bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
     a = a.contiguous()
     experts = b.shape[0]
-    if mode == "fwd":
-        n, b_n_stride, b_k_stride = b.shape[1], b.stride(1), b.stride(2)
-    else:
-        n, b_n_stride, b_k_stride = b.shape[2], b.stride(2), b.stride(1)
+    n_dim, k_dim = (1, 2) if mode == "fwd" else (2, 1)  # b read as (E, n, k)
+    n = b.shape[n_dim]
+    # without scales the kernel reads none (SCALED is off): b stands in for them
+    scales, s_strides = (
+        (b, (0, 0, 0)) if scale is None else (scale, (scale.stride(0), scale.stride(n_dim), scale.stride(k_dim)))
+    )
     out = a.new_empty(a.shape[0], n)
     tiles = (-(-a.shape[0] // bm) + experts) * -(-n // bn)  # at least every expert's tiles
     if a.shape[0] and tiles:
@@ -97,12 +114,15 @@ def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode):
             n,
             a.shape[1],
             b.stride(0),
-            b_n_stride,
-            b_k_stride,
+            b.stride(n_dim),
+            b.stride(k_dim),
+            scales,
+            *s_strides,
             EXPERTS=1 << max(experts - 1, 0).bit_length(),
             BM=bm,
             BN=bn,
             BK=bk,
+            SCALED=scale is not None,
             num_warps=warps,
             num_stages=stages,
         )

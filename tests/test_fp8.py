@@ -1,0 +1,284 @@
+"""FP8 block-quantized experts (DeepSeek-V3, R1, Kimi-K2 checkpoints as shipped: float8_e4m3fn codes and a float32
+scale per 128 x 128 block): fused with their codes and scales, they compute what the per-expert loop computes on the
+dequantized weights (outputs, input and routing-weight gradients, LoRA gradients), with no weight gradient; they load
+from per-expert keys, save dequantized, and refuse merges into their codes. The model level (from_pretrained of an
+FP8 stand-in checkpoint through transformers' own FP8 quantizer) is further down."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import patched_checkpoint, runtime_env  # noqa: E402
+from fp8 import dequantize_blockwise, fp8_standin, quantize_blockwise  # noqa: E402
+from helpers import Expert, assert_same_step, lora, reference, rel_err, routing, step, tiny_moe  # noqa: E402
+
+from moe_rewrite.runtime import fused_checkpoint, grouped_linear  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 6, 2
+
+
+def fp8_linear(weight):
+    """transformers' own FP8Linear (what its FP8 quantizer loads each nn.Linear of an FP8 checkpoint as) holding the
+    block-quantized `weight`."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    out, inner = weight.shape
+    layer = FP8Linear(inner, out, block_size=(128, 128))
+    codes, scales = quantize_blockwise(weight)
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    return layer
+
+
+def fp8_moe(experts=EXPERTS, hidden=HIDDEN, inter=INTER):
+    """(a MoE layer of the runtime's methods whose experts are FP8Linear layers, not yet fused; the same experts in
+    float64 with the dequantized weights, the reference)."""
+    moe = tiny_moe("unfused", experts=experts, hidden=hidden, inter=inter)
+    ref = torch.nn.ModuleList(Expert(hidden, inter) for _ in range(experts)).double()
+    for expert, ref_expert in zip(moe.experts, ref):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = fp8_linear(getattr(expert, name).weight.detach() * 0.2)
+            setattr(expert, name, layer)
+            dequantized = dequantize_blockwise(layer.weight, layer.weight_scale_inv, torch.float64)
+            getattr(ref_expert, name).weight = torch.nn.Parameter(dequantized)
+    return moe, ref
+
+
+def test_fp8_experts_fuse_with_their_codes_and_scales_and_stay_frozen():
+    moe, ref = fp8_moe()
+    first = moe.experts[1].up_proj
+    experts = moe.moe_rewrite_fuse_experts()
+    assert experts.moe_rewrite_fp8() and "fp8" in repr(experts)
+    params = dict(experts.named_parameters())
+    assert list(params) == ["gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"]
+    assert params["gate_up_proj"].dtype == params["down_proj"].dtype == torch.float8_e4m3fn
+    assert params["gate_up_proj"].shape == (EXPERTS, 2 * INTER, HIDDEN)
+    assert params["gate_up_proj_scale_inv"].shape == (EXPERTS, 2 * INTER // 128, HIDDEN // 128)
+    assert params["down_proj_scale_inv"].shape == (EXPERTS, HIDDEN // 128, INTER // 128)
+    assert not any(p.requires_grad for p in params.values())
+    # the codes and scales as they were, bit for bit (gate then up in gate_up_proj)
+    codes = params["gate_up_proj"][1, INTER:].view(torch.uint8)
+    assert torch.equal(codes, first.weight.view(torch.uint8))
+    assert torch.equal(params["gate_up_proj_scale_inv"][1, INTER // 128 :], first.weight_scale_inv)
+    # the views are the dequantized weights
+    experts.dequantized_dtype = torch.float64
+    assert torch.equal(moe.experts[4].down_proj.weight, ref[4].down_proj.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fp8_experts_train_like_the_loop_over_the_dequantized_weights(dtype):
+    """Output, x's gradient and the routing weights' gradient against the per-expert loop in float64 over the
+    dequantized weights; experts 4 and 5 get no token; no weight gradient is computed (they are frozen)."""
+    moe, ref = fp8_moe()
+    moe.moe_rewrite_fuse_experts()
+    tokens = 13
+    x = torch.randn(tokens, HIDDEN, dtype=dtype).requires_grad_(True)
+    ids, w = routing(tokens, EXPERTS, TOP_K)
+    w = w.to(dtype).requires_grad_(True)
+    y = moe.moe_train(x, ids, w)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = reference(ref, x64, ids, w64)
+    probe = torch.randn_like(want)
+    (y * probe.to(dtype)).sum().backward()
+    (want * probe).sum().backward()
+    # the routing weights' gradient sums its products in float32 whatever the dtype (expert_output.py)
+    tol = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for got, expected in ((y, want), (x.grad, x64.grad), (w.grad, w64.grad)):
+        assert (got.double() - expected).norm() <= tol * expected.norm()
+    assert all(p.grad is None for p in moe.experts.parameters())
+
+
+def test_fp8_experts_through_the_loop_backend_equal_the_grouped_gemms(monkeypatch):
+    """MOE_REWRITE_BACKEND=loop runs the experts one by one through their views, which dequantize."""
+    moe, _ = fp8_moe()
+    moe.moe_rewrite_fuse_experts().dequantized_dtype = torch.float64
+    x = torch.randn(9, HIDDEN, dtype=torch.float64)
+    ids, w = routing(9, EXPERTS, TOP_K)
+    grouped = moe.moe_train(x, ids, w)
+    runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
+    assert torch.allclose(moe.moe_train(x, ids, w), grouped, rtol=1e-12, atol=1e-12)
+
+
+def test_dequantize_matches_the_reference_and_handles_partial_blocks():
+    for shape in ((256, 384), (200, 130), (3, 2, 128, 256)):
+        w = torch.randn(shape)
+        flat = w.reshape(-1, *shape[-2:])
+        parts = [quantize_blockwise(m) for m in flat]
+        codes = torch.stack([q for q, _ in parts]).view(*shape)
+        scales = torch.stack([s for _, s in parts]).view(*shape[:-2], *parts[0][1].shape)
+        want = torch.stack([dequantize_blockwise(q, s) for q, s in parts]).view(shape)
+        assert torch.equal(grouped_linear._moe_rewrite_dequantize(codes, scales, torch.float32), want)
+
+
+def test_fp8_experts_load_per_expert_keys_and_save_dequantized():
+    """The checkpoint's per-expert keys (weight codes and weight_scale_inv) load into the fused parameters;
+    save_pretrained's state dict has per-expert weights dequantized to the model's dtype and no scales; keys of real
+    numbers are refused (they would be cast to FP8 codes without their scales)."""
+    moe, ref = fp8_moe()
+    source, _ = fp8_moe()
+    state = {}
+    for i, expert in enumerate(source.experts):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(expert, name)
+            state[f"experts.{i}.{name}.weight"] = layer.weight.detach().clone()
+            state[f"experts.{i}.{name}.weight_scale_inv"] = layer.weight_scale_inv.detach().clone()
+    experts = moe.moe_rewrite_fuse_experts()
+    result = moe.load_state_dict(dict(state), strict=False)
+    assert not result.unexpected_keys and not [k for k in result.missing_keys if k.startswith("experts.")]
+    for i, expert in enumerate(source.experts):
+        assert torch.equal(experts.down_proj[i].view(torch.uint8), expert.down_proj.weight.view(torch.uint8))
+        assert torch.equal(experts.gate_up_proj_scale_inv[i, : INTER // 128], expert.gate_proj.weight_scale_inv)
+
+    class Model(torch.nn.Module):  # save_pretrained's conversion reads the model's dtype from its embeddings
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mlp = torch.nn.Embedding(4, HIDDEN, dtype=torch.bfloat16), moe
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    with pytest.warns(UserWarning, match="FP8 experts are saved dequantized"):
+        saved = fused_checkpoint._moe_rewrite_unfuse_state_dict(None, Model())
+    assert not [k for k in saved if "scale_inv" in k or k.endswith("_proj")]
+    gate = saved["mlp.experts.2.gate_proj.weight"]
+    assert gate.dtype == torch.bfloat16 and gate.shape == (INTER, HIDDEN)
+    layer = source.experts[2].gate_proj
+    assert torch.equal(gate, dequantize_blockwise(layer.weight, layer.weight_scale_inv, torch.bfloat16))
+    real = {k: v.float() for k, v in state.items() if k.endswith(".weight")}
+    with pytest.raises(RuntimeError, match="FP8 block-quantized codes"):
+        moe.load_state_dict(real, strict=False)
+
+
+def test_fp8_experts_cannot_be_merged_into_and_dequantize_on_request():
+    """PEFT merges an adapter by adding to its base layer's weight.data: FP8 views refuse it (the sum would be lost,
+    or written into codes without their scales); moe_rewrite_dequantize makes them trainable real numbers."""
+    moe, ref = fp8_moe()
+    experts = moe.moe_rewrite_fuse_experts()
+    experts.dequantized_dtype = torch.float64
+    with pytest.raises(RuntimeError, match="cannot be merged into FP8"):
+        moe.experts[0].gate_proj.weight.data += 1
+    experts.moe_rewrite_dequantize()
+    assert not experts.moe_rewrite_fp8() and [n for n, _ in experts.named_parameters()] == ["gate_up_proj", "down_proj"]
+    assert experts.gate_up_proj.dtype == torch.float64 and experts.gate_up_proj.requires_grad
+    assert torch.equal(moe.experts[3].up_proj.weight, ref[3].up_proj.weight)
+
+
+@pytest.mark.parametrize(
+    "edit,reason",
+    [
+        (lambda moe: setattr(moe.experts[2], "up_proj", torch.nn.Linear(HIDDEN, INTER, bias=False)), "others are not"),
+        (None, "whole"),
+    ],
+    ids=["mixed", "partial-blocks"],
+)
+def test_fp8_experts_that_cannot_be_fused_with_their_scales_are_refused(edit, reason):
+    moe, _ = fp8_moe() if edit else fp8_moe(inter=96)
+    if edit:
+        edit(moe)
+    with pytest.raises(RuntimeError, match=f"cannot be fused: .*{reason}"):
+        moe.moe_rewrite_fuse_experts()
+
+
+# The model: from_pretrained of an FP8 stand-in checkpoint (tests/fp8.py) through transformers' own FP8 quantizer,
+# which refuses the CPU (its kernels are CUDA's) in validate_environment only: that check is bypassed here, the
+# loading itself is transformers' (FP8Linear layers holding the checkpoint's codes and scales).
+
+
+@pytest.fixture(scope="module")
+def fp8_model_files(tmp_path_factory):
+    """(the FP8 stand-in checkpoint of the default rewrite, the rewrite's directory), written once."""
+    code = patched_checkpoint(tmp_path_factory, "v3")
+    return fp8_standin(tmp_path_factory, code)[1], code
+
+
+def load_fp8(monkeypatch, directory, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, torch_dtype=dtype)
+
+
+def dequantized_reference(directory, code, dtype=torch.float32):
+    """The stand-in checkpoint as real numbers: every FP8 weight times its block scales (tests/fp8.py's reference),
+    loaded into the same rewrite, built from its config without the quantization_config."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = load_file(directory / "model.safetensors")
+    for key in [k for k in state if k.endswith(".weight_scale_inv")]:
+        weight = key[: -len("_scale_inv")]
+        state[weight] = dequantize_blockwise(state[weight], state.pop(key), dtype)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, torch_dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    return model
+
+
+def test_an_fp8_checkpoint_loads_with_fp8_experts_and_real_numbers_elsewhere(monkeypatch, fp8_model_files):
+    directory, _ = fp8_model_files
+    model = load_fp8(monkeypatch, directory, torch.bfloat16)
+    moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "moe_train")]
+    assert moes and all(moe.experts.moe_rewrite_fp8() for moe in moes)
+    experts = moes[0].experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.dequantized_dtype == torch.bfloat16
+    assert experts.gate_up_proj_scale_inv.dtype == torch.float32  # transformers 4.x loads them in bf16
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "experts." not in name]
+    assert linears and {type(m) for m in linears} == {torch.nn.Linear}
+    assert {m.weight.dtype for m in linears} == {torch.bfloat16} and all(m.weight.requires_grad for m in linears)
+    # no longer a quantized model: Trainer trains it, save_pretrained writes no quantization_config
+    assert not model.is_quantized and model.hf_quantizer is None
+    assert not hasattr(model.config, "quantization_config")
+
+
+def test_an_fp8_model_trains_evaluates_and_saves_like_its_dequantized_reference(monkeypatch, fp8_model_files, tmp_path):
+    """Loaded in float32 (transformers casts the scales to it, exactly): the training step's loss and every gradient
+    (LoRA adapters on every expert projection and on the dense and shared MLPs, through the views), eval logits,
+    against the checkpoint dequantized by the reference and run through the per-expert loop; saved, it reloads as
+    real numbers with the same logits."""
+    directory, code = fp8_model_files
+    model = load_fp8(monkeypatch, directory).train()  # from_pretrained gives eval mode
+    reference = dequantized_reference(directory, code)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    got = step(lora(model), ids)
+    assert any(".experts.0.gate_proj.lora_B" in name for name in got[1])
+    with monkeypatch.context() as patch:
+        runtime_env(patch, "MOE_REWRITE_BACKEND", "loop")
+        want = step(lora(reference), ids)
+    assert_same_step(got, want, rel=1e-5)
+    model, reference = load_fp8(monkeypatch, directory), dequantized_reference(directory, code).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert rel_err(logits, reference(input_ids=ids).logits) < 1e-5
+    with pytest.warns(UserWarning, match="FP8 experts are saved dequantized"):
+        model.save_pretrained(tmp_path / "saved")
+    assert "quantization_config" not in (tmp_path / "saved" / "config.json").read_text()
+    reloaded = load_fp8(monkeypatch, tmp_path / "saved")
+    assert not reloaded.model.layers[1].mlp.experts.moe_rewrite_fp8()
+    with torch.no_grad():
+        assert rel_err(reloaded(input_ids=ids).logits, logits) < 1e-6
+
+
+def test_lora_on_the_fused_fp8_parameters_trains_like_on_real_numbers(monkeypatch, fp8_model_files):
+    """PEFT's target_parameters (ParamWrappers on gate_up_proj and down_proj; transformers 5.x users' route): the
+    grouped GEMMs read the adapters themselves (PEFT's own forward would add them to the FP8 codes); the same
+    adapters on the dequantized reference's fused parameters give the same step. Merging into FP8 codes is refused."""
+    directory, code = fp8_model_files
+    model, reference = load_fp8(monkeypatch, directory).train(), dequantized_reference(directory, code)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    targets = {"targets": [], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+    adapted, adapted_reference = lora(model, **targets), lora(reference, **targets)
+    # PEFT makes an adapter in its parameter's dtype, then upcasts FP8 ones to float32: the FP8 model's adapters start
+    # rounded to FP8 values; the reference takes the same ones
+    lora_weights = {name: p for name, p in adapted.named_parameters() if "lora_" in name}
+    adapted_reference.load_state_dict(lora_weights, strict=False)
+    got = step(adapted, ids)
+    assert any("experts.lora_B" in name for name in got[1])
+    assert_same_step(got, step(adapted_reference, ids), rel=1e-5)
+    with pytest.raises(RuntimeError, match="Float8|FP8"):
+        adapted.merge_and_unload()
