@@ -29,6 +29,38 @@ QUANTIZATION_CONFIG = {  # as in the published DeepSeek-V3 / R1 config.json
 }
 
 
+HIDDEN, INTER = 256, 128  # fp8_moe's sizes: whole 128 x 128 blocks
+
+
+def fp8_linear(weight):
+    """transformers' own FP8Linear (what its FP8 quantizer loads each nn.Linear of an FP8 checkpoint as) holding the
+    block-quantized `weight`."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    out, inner = weight.shape
+    layer = FP8Linear(inner, out, block_size=(128, 128))
+    codes, scales = quantize_blockwise(weight)
+    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+    return layer
+
+
+def fp8_moe(experts=6, hidden=HIDDEN, inter=INTER):
+    """(a MoE layer of the runtime's methods whose experts are FP8Linear layers, not yet fused; the same experts in
+    float64 with the dequantized weights, the reference)."""
+    from helpers import Expert, tiny_moe
+
+    moe = tiny_moe("unfused", experts=experts, hidden=hidden, inter=inter)
+    ref = torch.nn.ModuleList(Expert(hidden, inter) for _ in range(experts)).double()
+    for expert, ref_expert in zip(moe.experts, ref):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = fp8_linear(getattr(expert, name).weight.detach() * 0.2)
+            setattr(expert, name, layer)
+            dequantized = dequantize_blockwise(layer.weight, layer.weight_scale_inv, torch.float64)
+            getattr(ref_expert, name).weight = torch.nn.Parameter(dequantized)
+    return moe, ref
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """x (..., M, N) zero-padded to whole blocks and viewed as (..., M/b, b, N/b, b)."""
     *lead, m, n = x.shape

@@ -271,3 +271,44 @@ def test_the_fused_rope_equals_the_published_function_bit_for_bit(monkeypatch, d
             assert torch.equal(got, want), (name, (got.float() - want.float()).abs().max().item())
     runtime_env(monkeypatch, "MOE_REWRITE_FUSED_ROPE", "0")
     assert not triton_rope._moe_rewrite_rope_applies(q_pe, k_pe, cos, sin, offsets, 1)
+
+
+@pytest.mark.parametrize("inter", [512, 128], ids=["scaled-kernel", "dequantized"])
+def test_fp8_experts_equal_their_dequantized_bf16_twins(monkeypatch, inter):
+    """FP8 experts in bf16 training on the GPU: forward and input gradient through the Triton kernel that multiplies
+    each weight tile by its block scales (I 512), or, where a product is narrower than its tile (I 128: the down
+    projection's input gradient), dequantized first; output, x's and the routing weights' gradients equal those of
+    the same experts dequantized to bf16 (moe_rewrite_dequantize) on the bf16 path."""
+    import copy
+
+    from fp8 import fp8_moe
+
+    from moe_rewrite.runtime import triton_gemm
+
+    torch.manual_seed(3)
+    moe, _ = fp8_moe(experts=16, hidden=1024, inter=inter)
+    moe.moe_rewrite_fuse_experts()
+    moe = moe.to("cuda")
+    twin = copy.deepcopy(moe)
+    twin.experts.moe_rewrite_dequantize()
+    twin.experts.requires_grad_(False)
+    scaled, grouped_mm = [], triton_gemm._moe_rewrite_grouped_mm
+
+    def counted(*args):  # (kernels, a, b, offsets, mode[, scale])
+        scaled.append(len(args) > 5 and args[5] is not None)
+        return grouped_mm(*args)
+
+    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", counted)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(14, generator=generator)[:4] for _ in range(300)]).cuda()  # experts 14, 15 idle
+    results = []
+    for module in (moe, twin):
+        x = torch.randn(300, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        x = x.to(torch.bfloat16).requires_grad_(True)
+        w = torch.rand(300, 4, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).requires_grad_(True)
+        y = module.moe_train(x, ids, w, out_dtype=torch.bfloat16)
+        y.backward(torch.ones_like(y))
+        results.append((y.float(), x.grad.float(), w.grad.float()))
+    assert sum(scaled) == (4 if inter == 512 else 3)  # gate_up fwd and dgrad, down fwd (and dgrad where it fits)
+    for got, want in zip(*results):
+        assert (got - want).norm() <= 1e-2 * want.norm()

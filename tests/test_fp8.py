@@ -12,39 +12,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from conftest import patched_checkpoint, runtime_env  # noqa: E402
-from fp8 import dequantize_blockwise, fp8_standin, quantize_blockwise  # noqa: E402
-from helpers import Expert, assert_same_step, lora, reference, rel_err, routing, step, tiny_moe  # noqa: E402
+from fp8 import HIDDEN, INTER, dequantize_blockwise, fp8_moe, fp8_standin, quantize_blockwise  # noqa: E402
+from helpers import assert_same_step, lora, reference, rel_err, routing, step  # noqa: E402
 
 from moe_rewrite.runtime import fused_checkpoint, grouped_linear  # noqa: E402
 
-HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 6, 2
-
-
-def fp8_linear(weight):
-    """transformers' own FP8Linear (what its FP8 quantizer loads each nn.Linear of an FP8 checkpoint as) holding the
-    block-quantized `weight`."""
-    from transformers.integrations.finegrained_fp8 import FP8Linear
-
-    out, inner = weight.shape
-    layer = FP8Linear(inner, out, block_size=(128, 128))
-    codes, scales = quantize_blockwise(weight)
-    layer.weight = torch.nn.Parameter(codes, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
-    return layer
-
-
-def fp8_moe(experts=EXPERTS, hidden=HIDDEN, inter=INTER):
-    """(a MoE layer of the runtime's methods whose experts are FP8Linear layers, not yet fused; the same experts in
-    float64 with the dequantized weights, the reference)."""
-    moe = tiny_moe("unfused", experts=experts, hidden=hidden, inter=inter)
-    ref = torch.nn.ModuleList(Expert(hidden, inter) for _ in range(experts)).double()
-    for expert, ref_expert in zip(moe.experts, ref):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            layer = fp8_linear(getattr(expert, name).weight.detach() * 0.2)
-            setattr(expert, name, layer)
-            dequantized = dequantize_blockwise(layer.weight, layer.weight_scale_inv, torch.float64)
-            getattr(ref_expert, name).weight = torch.nn.Parameter(dequantized)
-    return moe, ref
+EXPERTS, TOP_K = 6, 2
 
 
 def test_fp8_experts_fuse_with_their_codes_and_scales_and_stay_frozen():

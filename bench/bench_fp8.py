@@ -1,0 +1,313 @@
+"""FP8 block-quantized experts (issue #37): the expert MLP forward + backward with LoRA r16 on every routed expert, one
+GPU, at V3/R1's and Kimi-K2's sizes (E 256 / 384, H 7168, I 2048, k 8, 4096 tokens).
+
+The weights are drawn in bf16, quantized as DeepSeek's checkpoints are (tests/fp8.py: float8_e4m3fn, a scale per
+128 x 128 block), and every row computes with the same weights: the bf16 rows hold the FP8 weights dequantized to bf16
+(what the FP8 rows' kernels multiply by), so the rows differ only by rounding. Rows (bf16 activations, LoRA r16 alpha
+32 in bf16, base frozen, the same adapters):
+  moe-rewrite-lora[bf16]     bf16 fused experts, PEFT target_parameters: our fastest bf16 LoRA path (bench_lora.py)
+  moe-rewrite-lora[fp8]      FP8 fused experts (codes + scales), the same adapters: the Triton grouped GEMM reads the
+                             codes and multiplies each tile by its scales (forward and input gradient)
+  moe-rewrite-lora[fp8,dequant]  the same with MOE_REWRITE_TRITON_GEMM=0: weights dequantized per GEMM, then
+                             torch._grouped_mm (the fallback off the Triton path)
+  naive-loop-lora            PEFT target_modules on the --no-fuse-experts output's per-expert bf16 layers, run through
+                             the per-expert loop (MOE_REWRITE_BACKEND=loop)
+  transformers-fp8-experts   transformers' own FP8Experts (grouped_mm) on the same codes and scales, without LoRA,
+                             where it runs (its kernels come from the Hub)
+expert GB: the experts' weights as held (codes and scales, or bf16). rel err: output, input gradient and LoRA
+gradients against moe-rewrite-lora[bf16].
+
+    python3 bench/bench_fp8.py [--configs v3,k2] [--reps 10] [--out DIR]
+    python3 bench/bench_fp8.py --tiles [--configs v3]   # the FP8 kernel's tile configs, GEMM by GEMM
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import bench_lora as bl  # noqa: E402
+import bench_moe as b  # noqa: E402
+from fp8 import quantize_blockwise  # noqa: E402
+
+CONFIGS = {"v3": b.CONFIGS["v3"], "k2": dict(b.CONFIGS["v3"], E=384), "seed": b.CONFIGS["seed"]}
+
+
+def quantize(weight, chunk=16):
+    """(codes, scales) of an (E, out, in) weight, a few experts at a time (float32 temporaries)."""
+    parts = [quantize_blockwise(weight[i : i + chunk]) for i in range(0, weight.shape[0], chunk)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def expert_gb(module):
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if "lora" not in n) / 2**30
+
+
+def fp8_experts(modeling, bf16_experts, dtype=torch.bfloat16):
+    """FP8 fused experts quantized from `bf16_experts`, whose weights become the dequantized FP8 ones."""
+    inter = bf16_experts.down_proj.shape[2]
+    (gate_up, gate_up_s), (down, down_s) = quantize(bf16_experts.gate_up_proj), quantize(bf16_experts.down_proj)
+    with torch.no_grad():
+        for name, codes, scales in (("gate_up_proj", gate_up, gate_up_s), ("down_proj", down, down_s)):
+            getattr(bf16_experts, name).copy_(modeling._moe_rewrite_dequantize(codes, scales, dtype))
+    blocks = inter // 128
+    experts = modeling._MoeRewriteFusedExperts(
+        bf16_experts.act_fn,
+        list(gate_up[:, :inter]),
+        list(gate_up[:, inter:]),
+        list(down),
+        scales=(list(gate_up_s[:, :blocks]), list(gate_up_s[:, blocks:]), list(down_s)),
+        dtype=dtype,
+    )
+    del gate_up, down
+    return experts
+
+
+def with_lora(experts, source=None):
+    """`experts` inside a holder, PEFT's target_parameters LoRA on its two parameters (bf16 adapters, LoRA only
+    trains), the adapters copied from `source` (another holder) when given."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    holder = torch.nn.Module()
+    holder.experts = experts
+    config = LoraConfig(
+        r=bl.RANK,
+        lora_alpha=bl.ALPHA,
+        init_lora_weights=False,
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    torch.manual_seed(1)
+    inject_adapter_in_model(config, holder)
+    for name, p in holder.named_parameters():
+        if "lora" in name:
+            p.data = p.data.to(torch.bfloat16)
+        p.requires_grad_("lora" in name)
+    if source is not None:
+        bl.copy_parameter_adapters(source, holder)
+    return holder
+
+
+def native_fp8(config, codes, cfg, data):
+    """transformers' own FP8Experts (grouped_mm) on the same codes and scales, forward + backward without LoRA: (ms,
+    None) or (None, why it does not run)."""
+    try:
+        import copy
+
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+
+        native_config = copy.copy(config)
+        native_config.num_experts, native_config._experts_implementation = cfg["E"], "grouped_mm"
+        with torch.device("cuda"):
+            experts = FP8Experts(native_config, block_size=(128, 128))
+        with torch.no_grad():
+            for name, value in codes.items():
+                getattr(experts, name).copy_(value)
+        experts.requires_grad_(False)
+        fn = lambda x, ids, w: experts(x, ids, w.to(x.dtype))  # noqa: E731
+        ms, _, peak, _, _, _ = b.run_impl(fn, data, experts, None, 2, 5)
+        return ms, peak, None
+    except Exception as error:  # noqa: BLE001 (whatever stops it is the row's result)
+        return None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:240]}"
+
+
+def tiles(modeling, cfg, reps):
+    """The FP8 kernel's tile configs on the step's four forward/input-gradient GEMMs, against the bf16 kernel and
+    torch._grouped_mm on the dequantized weights (interleaved, bench/gemm_tiles.py's time_variants)."""
+    from gemm_tiles import time_variants
+
+    from moe_rewrite.runtime import dispatch, grouped_linear, triton_gemm
+
+    kernels = dispatch._moe_rewrite_build_triton()
+    torch.manual_seed(0)
+    e, h, i = cfg["E"], cfg["H"], cfg["I"]
+    weights = {
+        "gate_up": torch.randn(e, 2 * i, h, device="cuda") * 0.02,
+        "down": torch.randn(e, h, i, device="cuda") * 0.02,
+    }
+    quantized = {k: quantize(v) for k, v in weights.items()}
+    real = {k: grouped_linear._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
+    del weights
+    _, ids, _, _ = b.routings(cfg, "cuda", seed=1)[0]
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    offsets = counts.cumsum(0).to(torch.int32)
+    rows = int(counts.sum())
+    default = triton_gemm.MOE_REWRITE_GEMM_TILE
+    configs = [
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (128, 128, 64, 4, 4),
+        (128, 256, 128, 8, 3),
+        (64, 256, 64, 4, 4),
+    ]
+    results = []
+    for name, which, mode in (
+        ("gate_up fwd", "gate_up", "fwd"),
+        ("down fwd", "down", "fwd"),
+        ("down dgrad", "down", "dgrad"),
+        ("gate_up dgrad", "gate_up", "dgrad"),
+    ):
+        codes, scales = quantized[which]
+        width = codes.shape[2] if mode == "fwd" else codes.shape[1]
+        a = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+        want = grouped_linear._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
+
+        def run(config, weight, scale, a=a, mode=mode):
+            triton_gemm.MOE_REWRITE_GEMM_TILE = config  # the kernel reads its tile here on every launch
+            return triton_gemm._moe_rewrite_grouped_mm(kernels, a, weight, offsets, mode, scale)
+
+        variants = {f"fp8 {c}": functools.partial(run, c, codes, scales) for c in configs}
+        variants["bf16 triton"] = functools.partial(run, default, real[which], None)
+        w = real[which] if mode == "dgrad" else real[which].transpose(1, 2)
+        variants["bf16 torch"] = functools.partial(torch._grouped_mm, a, w, offs=offsets)
+        for label, fn in variants.items():
+            assert b.rel(fn(), want) < 1e-2, (name, label)
+        timed = time_variants(variants, reps)
+        results.append(dict(gemm=name, **{k: round(v, 3) for k, v in timed.items()}))
+        print(json.dumps(results[-1]), flush=True)
+    triton_gemm.MOE_REWRITE_GEMM_TILE = default
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="v3,k2")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--tiles", action="store_true", help="time the FP8 kernel's tile configs instead")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--label", default="h200-fp8")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    work = Path(tempfile.mkdtemp())
+    fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "fp8_fused"), "fp8_fused")
+    if args.tiles:
+        rows = [
+            dict(config=name, **r)
+            for name in args.configs.split(",")
+            for r in tiles(fused_mod, CONFIGS[name], args.reps)
+        ]
+        (out_dir / f"{args.label}-tiles.json").write_text(json.dumps(b.record(rows=rows), indent=1) + "\n")
+        return
+    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
+    rows, notes = [], []
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        config = b.moe_config(configuration, cfg)
+        torch.manual_seed(0)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            moe = fused_mod.DeepseekV3MoE(config).train()
+        moe.moe_rewrite_fuse_experts()
+        fp8 = fp8_experts(fused_mod, moe.experts)  # moe's bf16 experts now hold the dequantized FP8 weights
+        codes = {n: p.detach() for n, p in fp8.named_parameters()}
+        holders = {"moe-rewrite-lora[bf16]": with_lora(moe.experts)}
+        holders["moe-rewrite-lora[fp8]"] = with_lora(fp8, holders["moe-rewrite-lora[bf16]"])
+        holders["moe-rewrite-lora[fp8,dequant]"] = holders["moe-rewrite-lora[fp8]"]
+        with torch.device("cuda"):
+            plain = plain_mod.DeepseekV3MoE(config).train()
+        torch.set_default_dtype(default_dtype)
+        with torch.no_grad():
+            inter = cfg["I"]
+            for e, expert in enumerate(plain.experts):
+                expert.gate_proj.weight.copy_(moe.experts.gate_up_proj[e, :inter])
+                expert.up_proj.weight.copy_(moe.experts.gate_up_proj[e, inter:])
+                expert.down_proj.weight.copy_(moe.experts.down_proj[e])
+        from peft import LoraConfig
+
+        bl.inject(LoraConfig(r=bl.RANK, lora_alpha=bl.ALPHA, target_modules=bl.PROJECTIONS), plain)
+        bl.per_expert_adapters(plain, holders["moe-rewrite-lora[bf16]"])
+        for n, p in plain.named_parameters():
+            if "lora" in n:
+                p.data = p.data.to(torch.bfloat16)
+            p.requires_grad_("lora" in n)
+        data = b.routings(cfg, "cuda", seed=1)
+        impls = [
+            ("moe-rewrite-lora[bf16]", moe, fused_mod, {}),
+            ("moe-rewrite-lora[fp8]", moe, fused_mod, {}),
+            ("moe-rewrite-lora[fp8,dequant]", moe, fused_mod, {"MOE_REWRITE_TRITON_GEMM": "0"}),
+            ("naive-loop-lora", plain, plain_mod, {"MOE_REWRITE_BACKEND": "loop"}),
+        ]
+        ref = {}
+        for impl, module, modeling, env in impls:
+            if impl in holders:
+                module.experts = holders[impl].experts
+                grads_of = holders[impl]
+            else:
+                grads_of = module
+            b.set_backend(modeling, env)
+            warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
+            t0 = time.time()
+            fn = functools.partial(b.moe_rewrite, module)
+            ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
+            grads = bl.lora_grads(grads_of)
+            if not ref:
+                ref.update(y=y, x=x.grad, grads=grads)
+                err = 0.0
+            elif impl == "naive-loop-lora":
+                err = max(b.rel(y, ref["y"]), b.rel(x.grad, ref["x"]))
+            else:
+                errs = [b.rel(y, ref["y"]), b.rel(x.grad, ref["x"])]
+                err = max(errs + [b.rel(g, ref["grads"][k]) for k, g in grads.items()])
+            b.clear_grads(grads_of, None, x)
+            rows.append(
+                dict(
+                    config=name,
+                    impl=impl,
+                    ms=round(ms, 3),
+                    host_ms=round(host_ms, 3),
+                    peak_gb=round(peak, 2),
+                    kept_gb=round(kept, 3),
+                    expert_gb=round(expert_gb(module.experts), 2),
+                    max_rel_err=float(f"{err:.2e}"),
+                )
+            )
+            print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
+        b.set_backend(plain_mod, {})
+        b.set_backend(fused_mod, {})
+        del plain, moe, holders
+        torch.cuda.empty_cache()
+        ms, peak, why = native_fp8(config, codes, cfg, data)
+        rows.append(dict(config=name, impl="transformers-fp8-experts", ms=ms, peak_gb=peak, note=why))
+        print(json.dumps(rows[-1]), flush=True)
+        del codes, data, fp8
+        torch.cuda.empty_cache()
+    import peft
+    import transformers
+
+    result = b.record(
+        transformers=transformers.__version__,
+        peft=peft.__version__,
+        lora=dict(r=bl.RANK, alpha=bl.ALPHA),
+        notes=notes,
+        rows=rows,
+    )
+    (out_dir / f"{args.label}.json").write_text(json.dumps(result, indent=1) + "\n")
+    header = f"{'config':6} {'impl':32} {'ms':>8} {'peak GB':>8} {'expert GB':>9} {'rel err':>9}"
+    print(f"\n{header} {'vs bf16':>8} {'vs loop':>8}")
+    for r in rows:
+        if r["ms"] is None:
+            print(f"{r['config']:6} {r['impl']:32} {'-':>8} ({r['note']})")
+            continue
+        same = [x for x in rows if x["config"] == r["config"]]
+        bf16 = next(x["ms"] for x in same if x["impl"] == "moe-rewrite-lora[bf16]")
+        loop = next(x["ms"] for x in same if x["impl"] == "naive-loop-lora")
+        print(
+            f"{r['config']:6} {r['impl']:32} {r['ms']:8.2f} {r['peak_gb'] or 0:8.2f} {r.get('expert_gb', 0):9.2f} "
+            f"{r.get('max_rel_err', 0):9.1e} {bf16 / r['ms']:7.2f}x {loop / r['ms']:7.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
