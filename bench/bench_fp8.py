@@ -18,7 +18,8 @@ expert GB: the experts' weights as held (codes and scales, or bf16). rel err: ou
 gradients against moe-rewrite-lora[bf16].
 
     python3 bench/bench_fp8.py [--configs v3,k2] [--reps 10] [--out DIR]
-    python3 bench/bench_fp8.py --tiles [--configs v3]   # the FP8 kernel's tile configs, GEMM by GEMM
+
+bench/fp8_kernels.py times the kernel's variants GEMM by GEMM.
 """
 
 from __future__ import annotations
@@ -120,69 +121,10 @@ def native_fp8(config, codes, cfg, data):
         return None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:240]}"
 
 
-def tiles(modeling, cfg, reps):
-    """The FP8 kernel's tile configs on the step's four forward/input-gradient GEMMs, against the bf16 kernel and
-    torch._grouped_mm on the dequantized weights (interleaved, bench/gemm_tiles.py's time_variants)."""
-    from gemm_tiles import time_variants
-
-    from moe_rewrite.runtime import dispatch, grouped_linear, triton_gemm
-
-    kernels = dispatch._moe_rewrite_build_triton()
-    torch.manual_seed(0)
-    e, h, i = cfg["E"], cfg["H"], cfg["I"]
-    weights = {
-        "gate_up": torch.randn(e, 2 * i, h, device="cuda") * 0.02,
-        "down": torch.randn(e, h, i, device="cuda") * 0.02,
-    }
-    quantized = {k: quantize(v) for k, v in weights.items()}
-    real = {k: grouped_linear._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
-    del weights
-    _, ids, _, _ = b.routings(cfg, "cuda", seed=1)[0]
-    counts = torch.bincount(ids.flatten(), minlength=e)
-    offsets = counts.cumsum(0).to(torch.int32)
-    rows = int(counts.sum())
-    default = triton_gemm.MOE_REWRITE_GEMM_TILE
-    configs = [
-        (128, 256, 64, 8, 3),
-        (128, 256, 64, 8, 4),
-        (128, 128, 64, 4, 4),
-        (128, 256, 128, 8, 3),
-        (64, 256, 64, 4, 4),
-    ]
-    results = []
-    for name, which, mode in (
-        ("gate_up fwd", "gate_up", "fwd"),
-        ("down fwd", "down", "fwd"),
-        ("down dgrad", "down", "dgrad"),
-        ("gate_up dgrad", "gate_up", "dgrad"),
-    ):
-        codes, scales = quantized[which]
-        width = codes.shape[2] if mode == "fwd" else codes.shape[1]
-        a = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-        want = grouped_linear._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
-
-        def run(config, weight, scale, a=a, mode=mode):
-            triton_gemm.MOE_REWRITE_GEMM_TILE = config  # the kernel reads its tile here on every launch
-            return triton_gemm._moe_rewrite_grouped_mm(kernels, a, weight, offsets, mode, scale)
-
-        variants = {f"fp8 {c}": functools.partial(run, c, codes, scales) for c in configs}
-        variants["bf16 triton"] = functools.partial(run, default, real[which], None)
-        w = real[which] if mode == "dgrad" else real[which].transpose(1, 2)
-        variants["bf16 torch"] = functools.partial(torch._grouped_mm, a, w, offs=offsets)
-        for label, fn in variants.items():
-            assert b.rel(fn(), want) < 1e-2, (name, label)
-        timed = time_variants(variants, reps)
-        results.append(dict(gemm=name, **{k: round(v, 3) for k, v in timed.items()}))
-        print(json.dumps(results[-1]), flush=True)
-    triton_gemm.MOE_REWRITE_GEMM_TILE = default
-    return results
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="v3,k2")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--tiles", action="store_true", help="time the FP8 kernel's tile configs instead")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--label", default="h200-fp8")
     args = parser.parse_args()
@@ -191,14 +133,6 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Path(tempfile.mkdtemp())
     fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "fp8_fused"), "fp8_fused")
-    if args.tiles:
-        rows = [
-            dict(config=name, **r)
-            for name in args.configs.split(",")
-            for r in tiles(fused_mod, CONFIGS[name], args.reps)
-        ]
-        (out_dir / f"{args.label}-tiles.json").write_text(json.dumps(b.record(rows=rows), indent=1) + "\n")
-        return
     plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
     rows, notes = [], []
     for name in args.configs.split(","):

@@ -43,6 +43,7 @@ def kernels(monkeypatch):
         patch_runtime(monkeypatch, "MOE_REWRITE_TRITON_BLOCK", 16)
         patch_runtime(monkeypatch, "MOE_REWRITE_ROUTE_BLOCK", 16)
         patch_runtime(monkeypatch, "MOE_REWRITE_GEMM_TILE", (16, 32, 16, 4, 1))
+        patch_runtime(monkeypatch, "MOE_REWRITE_FP8_GEMM_TILE", (16, 32, 16, 4, 1))
     return DEVICE, dispatch._moe_rewrite_build_triton()
 
 
@@ -547,8 +548,8 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     monkeypatch.setitem(dispatch._moe_rewrite_settings_cache, "MOE_REWRITE_TRITON_GEMM", "0")
     gmm = grouped_linear._moe_rewrite_gmm
 
-    def unwritten_padding(kernel, a, b, offsets, mode):
-        out = gmm(kernel, a, b, offsets, mode)
+    def unwritten_padding(kernel, a, b, offsets, mode, scale=None):
+        out = gmm(kernel, a, b, offsets, mode, scale)
         if mode == "wgrad":
             wgrad_rows.append(b.shape[0])
         if mode != "wgrad":

@@ -1,15 +1,16 @@
 """A grouped GEMM in Triton (forward and input-gradient products over rows sorted by expert) that runs its tiles
 expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_gemm_by_triton decides), and for FP8
 block-quantized experts at any size (grouped_linear.py's _moe_rewrite_gmm: it reads the FP8 codes and their block
-scales, and multiplies each weight tile by its scales in registers). CUDA with triton; triton is imported when the
-kernel is built, never at import.
+scales, and multiplies each weight tile by its scales in registers: half the weights' memory, not faster). CUDA
+with triton; triton is imported when the kernel is built, never at import.
 """
 
 from .triton_block import _moe_rewrite_triton_modules
 
 # The grouped GEMM's tile (rows, columns, depth), warps and pipeline stages: the best of bench/triton_gemm.py's at
-# V3's sizes on an H200 (bench/NOTES.md, change 26)
+# V3's sizes on an H200 (bench/NOTES.md, change 26); for FP8 weights the best of bench/fp8_kernels.py's (change 36)
 MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
+MOE_REWRITE_FP8_GEMM_TILE = (128, 128, 64, 4, 3)
 
 
 def _moe_rewrite_gemm_kernels():
@@ -45,7 +46,10 @@ def _moe_rewrite_gemm_kernels():
         change 26). Programs past the last tile return; rows past the last offset are neither read nor written.
         SCALED: b holds FP8 codes and `scales` the scale of each of its 128 x 128 blocks (read through its strides as
         (E, n / 128, k / 128)); each weight tile is multiplied by its scales in float32 and rounded to a's dtype (the
-        weights exactly as dequantized to it), then multiplied as usual. BK divides 128."""
+        weights exactly as dequantized to it), then multiplied as usual. BK divides 128. The conversion in registers
+        costs more than the halved weight bytes save: 1.3x (forward) to 1.85x (input gradient) the bf16 weights'
+        time at v3; none of bench/fp8_kernels.py's variants (weights as the first operand, scales applied to the
+        sums, other tiles, Triton's warp specialization) did better (bench/NOTES.md, change 36)."""
         pid = tl.program_id(0)
         e_all = tl.arange(0, EXPERTS)
         ends = tl.load(offsets + e_all, mask=e_all < experts, other=0)
@@ -82,10 +86,11 @@ def _moe_rewrite_gemm_kernels():
     return {"grouped_mm": grouped_mm}
 
 
-def _moe_rewrite_gemm_fits(n, k):
-    """Whether the grouped GEMM's tile fits a product n wide and k deep: at least one tile wide, whole tiles deep."""
-    _, bn, bk, _, _ = MOE_REWRITE_GEMM_TILE
-    return n >= bn and k % bk == 0
+def _moe_rewrite_gemm_fits(n, k, scaled=False):
+    """Whether the grouped GEMM's tile fits a product n wide and k deep: whole tiles deep, and for bf16 weights at least
+    one tile wide (where it was measured faster than torch's)."""
+    _, bn, bk, _, _ = MOE_REWRITE_FP8_GEMM_TILE if scaled else MOE_REWRITE_GEMM_TILE
+    return (scaled or n >= bn) and k % bk == 0
 
 
 def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode, scale=None):
@@ -93,7 +98,7 @@ def _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode, scale=None):
     for rows `a` sorted by expert, `offsets` their cumulative counts per expert (int32): the same rows as
     torch._grouped_mm gives, those past the last offset left unwritten as there. `scale`: b's FP8 block scales
     (E, out / 128, in / 128) of b (E, out, in)."""
-    bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE
+    bm, bn, bk, warps, stages = MOE_REWRITE_GEMM_TILE if scale is None else MOE_REWRITE_FP8_GEMM_TILE
     a = a.contiguous()
     experts = b.shape[0]
     n_dim, k_dim = (1, 2) if mode == "fwd" else (2, 1)  # b read as (E, n, k)
