@@ -91,16 +91,17 @@ def _moe_rewrite_dequantize(weight, scale, dtype, block=128):
     at a time, so that the float32 products stay small."""
     out, inner = weight.shape[-2:]
     result = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    flat, flat_scale, flat_result = (
-        weight.reshape(-1, out, inner),
-        scale.reshape(-1, *scale.shape[-2:]),
-        result.view(-1, out, inner),
-    )
+    codes, scales = weight.reshape(-1, out, inner), scale.reshape(-1, *scale.shape[-2:]).float()
+    results = result.view(-1, out, inner)
     step = max(1, (1 << 28) // max(1, out * inner))  # about 1 GiB of float32 products at a time
-    for start in range(0, flat.shape[0], step):
-        s = flat_scale[start : start + step].float().repeat_interleave(block, -2)[:, :out]
-        s = s.repeat_interleave(block, -1)[:, :, :inner]
-        flat_result[start : start + step] = flat[start : start + step].float() * s
+    for start in range(0, codes.shape[0], step):
+        part, s = codes[start : start + step].float(), scales[start : start + step]
+        if out % block == 0 and inner % block == 0:  # whole blocks (fused experts): each scale broadcast over its own
+            blocks = part.view(-1, out // block, block, inner // block, block)
+            results[start : start + step] = (blocks * s[:, :, None, :, None]).view(-1, out, inner)
+        else:
+            s = s.repeat_interleave(block, -2)[:, :out].repeat_interleave(block, -1)[:, :, :inner]
+            results[start : start + step] = part * s
     return result
 
 
