@@ -6,6 +6,8 @@ FP8 stand-in checkpoint through transformers' own FP8 quantizer) is further down
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -167,12 +169,12 @@ def fp8_model_files(tmp_path_factory):
     return fp8_standin(tmp_path_factory, code)[1], code
 
 
-def load_fp8(monkeypatch, directory, dtype=torch.float32):
+def load_fp8(monkeypatch, directory, dtype=torch.float32, **config):
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, torch_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, torch_dtype=dtype, **config)
 
 
 def dequantized_reference(directory, code, dtype=torch.float32):
@@ -264,3 +266,56 @@ def test_lora_on_the_fused_fp8_parameters_trains_like_on_real_numbers(monkeypatc
     assert_same_step(got, step(adapted_reference, ids), rel=1e-5)
     with pytest.raises(RuntimeError, match="Float8|FP8"):
         adapted.merge_and_unload()
+
+
+def _fp8_ep_worker(rank, directory, out_dir):
+    """One of 2 gloo ranks: the FP8 checkpoint loaded with ep_size 2 (each rank fuses its 2 of the 4 experts with
+    their codes and scales), one training step on this rank's batch, gradients all-reduced; saved from both ranks."""
+    import json
+
+    import torch.distributed as dist
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        model = load_fp8(monkeypatch, directory, ep_size=2).train()
+        reference = load_fp8(monkeypatch, directory).train()
+    finally:
+        monkeypatch.undo()
+    experts = model.model.layers[1].mlp.experts
+    ids = torch.randint(0, model.config.vocab_size, (2, 2, 7), generator=torch.Generator().manual_seed(5))
+    for r in range(2):  # the reference: every rank's batch in one process, per-rank backward, gradients averaged
+        (reference(input_ids=ids[r], labels=ids[r]).loss / 2).backward()
+    loss = model(input_ids=ids[rank], labels=ids[rank]).loss
+    loss.backward()
+    model.moe_rewrite_all_reduce_gradients()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    worst, zeros = 0.0, True  # parameters one process gives no gradient get zeros from the all-reduce
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:
+            zeros = zeros and (p.grad is None or not p.grad.any())
+        else:
+            worst = max(worst, rel_err(p.grad, ref_grads[name]))
+    model.save_pretrained(Path(out_dir) / "saved", is_main_process=rank == 0)
+    dist.barrier()
+    if rank == 0:
+        result = {"held": [experts.first_expert, len(experts), experts.moe_rewrite_fp8()], "grad_error": worst}
+        result["zeros"] = zeros
+        (Path(out_dir) / "result.json").write_text(json.dumps(result))
+
+
+def test_fp8_experts_under_expert_parallelism_train_and_save_as_one_process(fp8_model_files, tmp_path, monkeypatch):
+    """Expert parallelism over 2 gloo processes: each rank holds FP8 experts 0-1 or 2-3; every gradient (the
+    dequantized layers', the router's, the embeddings') within 1e-5 of one process; the saved checkpoint (gathered
+    codes and scales, written dequantized) evaluates as the FP8 model does in one process."""
+    import json
+
+    from conftest import run_ranks
+
+    directory, _ = fp8_model_files
+    run_ranks(_fp8_ep_worker, tmp_path, directory)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["held"] == [0, 2, True] and result["grad_error"] < 1e-5 and result["zeros"]
+    model, saved = load_fp8(monkeypatch, directory), load_fp8(monkeypatch, tmp_path / "saved", ep_size=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert rel_err(saved(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-6

@@ -75,18 +75,23 @@ def _moe_rewrite_divide_gradients(module, factor, gloo):
 
 def _moe_rewrite_gather_experts(value, name, layer):
     """A layer's expert tensor `name` (relative to its experts) whole over the layer's expert-parallel group, in
-    global expert order: the fused parameters (expert first), and the LoRA weights of PEFT's wrappers of them, lora_A
-    (E * r, in) expert-major and lora_B (out, r * E) expert-minor (PEFT's ParamWrapper layout)."""
+    global expert order: the fused parameters (expert first; FP8 experts' codes and block scales too), and the LoRA
+    weights of PEFT's wrappers of them, lora_A (E * r, in) expert-major and lora_B (out, r * E) expert-minor (PEFT's
+    ParamWrapper layout)."""
     dist = torch.distributed
-    if name not in ("gate_up_proj", "down_proj") and not name.startswith(("lora_A.", "lora_B.")):
+    fused = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    if name not in fused and not name.startswith(("lora_A.", "lora_B.")):
         raise RuntimeError(f"moe-rewrite: cannot gather the experts' {name} from the expert-parallel ranks")
-    parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
-    dist.all_gather(parts, value.detach().contiguous(), group=_moe_rewrite_ep_group(layer))
+    raw = value.detach().contiguous()
+    if raw.dtype == torch.float8_e4m3fn:  # FP8 codes travel as bytes (gloo has no float8)
+        raw = raw.view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(layer.ep_size)]
+    dist.all_gather(parts, raw, group=_moe_rewrite_ep_group(layer))
     if name.startswith("lora_B."):
         local = layer.config.n_routed_experts // layer.ep_size
         parts = [part.view(part.shape[0], -1, local) for part in parts]
         return torch.cat(parts, dim=2).flatten(1)
-    return torch.cat(parts)
+    return torch.cat(parts).view(value.dtype)
 
 
 def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
