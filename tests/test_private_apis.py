@@ -52,6 +52,9 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         "_keys_to_ignore_on_load_unexpected",
         "_no_split_modules",
         "_composable",  # torch.distributed._composable.fsdp.fully_shard: FSDP2 before torch 2.6 exported it
+        "_make_subclass",
+        "_disabled_torch_function_impl",
+        "_did_swap_in_out_features",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -295,3 +298,46 @@ def test_transformers_5_marks_the_parameters_it_loaded():
     marked = {name: getattr(p, "_is_hf_initialized", False) for name, p in model.named_parameters()}
     v5 = int(transformers.__version__.split(".")[0]) >= 5
     assert marked == {"loaded.weight": v5, "loaded.bias": v5, "missing.weight": False, "missing.bias": False}
+
+
+def test_a_tensor_subclass_with_torch_function_disabled_computes_as_a_plain_tensor():
+    """fp8_experts.py's _MoeRewriteDequantized (torch.Tensor._make_subclass, __torch_function__ =
+    torch._C._disabled_torch_function_impl): an FP8 expert view's weight is used as a plain tensor (F.linear, autograd
+    through the input, results plain tensors), while its own `data` property refuses PEFT's merges."""
+
+    class Guarded(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @property
+        def data(self):
+            raise RuntimeError("refused")
+
+    weight = torch.randn(3, 4)
+    guarded = torch.Tensor._make_subclass(Guarded, weight)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = torch.nn.functional.linear(x, guarded)
+    assert type(y) is torch.Tensor and torch.equal(y, x @ weight.t())
+    y.sum().backward()
+    assert torch.equal(x.grad, weight.sum(0).expand(2, 4))
+    with pytest.raises(RuntimeError, match="refused"):
+        guarded.data += 1
+
+
+def test_peft_param_wrappers_say_how_they_read_their_parameter():
+    """parameter_lora.py's _moe_rewrite_delta_factors recomputes PEFT's get_delta_factors (whose result PEFT casts to
+    the parameter's dtype, FP8 codes' for FP8 experts) from lora_A, lora_B and _did_swap_in_out_features: on a float32
+    (E, out, in) parameter, where nothing is cast, the two agree."""
+    peft = pytest.importorskip("peft")
+    from helpers import tiny_moe
+
+    from moe_rewrite.runtime import parameter_lora
+
+    holder = torch.nn.Module()
+    holder.experts = tiny_moe("fused", experts=3, hidden=8, inter=6).float().experts
+    config = peft.LoraConfig(r=2, target_parameters=["experts.gate_up_proj"], init_lora_weights=False)
+    peft.inject_adapter_in_model(config, holder)
+    wrapper = holder.experts
+    assert isinstance(wrapper._did_swap_in_out_features, bool)
+    lhs, rhs, _ = wrapper.get_delta_factors("default")
+    ours = parameter_lora._moe_rewrite_delta_factors(wrapper, "default")
+    assert torch.equal(ours[0], lhs) and torch.equal(ours[1], rhs)

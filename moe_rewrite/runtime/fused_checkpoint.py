@@ -31,16 +31,16 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
     a few at a time (one shard of a sharded checkpoint after another); per-expert keys absent from a call that brings
     some are reported missing. FP8 experts take the checkpoint's FP8 codes (weight) and block scales
     (weight_scale_inv) of each projection."""
-    fields = [("weight", "")]  # (checkpoint key suffix, fused parameter suffix)
+    fields = [("weight", ("gate_up_proj", "down_proj"))]  # (the checkpoint key's last name, the fused parameters)
     if module.moe_rewrite_fp8():
-        fields.append(("weight_scale_inv", "_scale_inv"))
-    for key_suffix, param_suffix in fields:
-        _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, param_suffix)
+        fields.append(("weight_scale_inv", ("gate_up_proj_scale_inv", "down_proj_scale_inv")))
+    for key_suffix, names in fields:
+        _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, names)
 
 
-def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, param_suffix):
-    """_moe_rewrite_merge_experts for one field: the per-expert `{i}.{projection}.{key_suffix}` keys into
-    gate_up_proj{param_suffix} and down_proj{param_suffix}."""
+def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffix, names):
+    """_moe_rewrite_merge_experts for one field: the per-expert `{i}.{projection}.{key_suffix}` keys into the fused
+    parameters `names` (gate and up into the first, down into the second)."""
     projections = list(enumerate(MOE_REWRITE_PROJECTIONS))  # (role, name): role 0 gate, 1 up, 2 down
     first = module.first_expert  # the keys number the layer's experts; a rank under expert parallelism holds some
     keys = [
@@ -49,7 +49,6 @@ def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffi
     found = [key for key in keys if key[2] in state_dict]
     if not found:
         return
-    names = (f"gate_up_proj{param_suffix}", f"down_proj{param_suffix}")
     gate_up, down = (module._parameters[name] for name in names)
     if key_suffix == "weight" and module.moe_rewrite_fp8():
         dtypes = {state_dict[key].dtype for _, _, key in found}
