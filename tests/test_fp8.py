@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from conftest import patched_checkpoint, runtime_env  # noqa: E402
 from fp8 import HIDDEN, INTER, dequantize_blockwise, fp8_moe, fp8_standin, quantize_blockwise  # noqa: E402
-from helpers import assert_same_step, lora, reference, rel_err, routing, step  # noqa: E402
+from helpers import assert_same_step, lora, reference, rel_err, routing, step, tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime import fused_checkpoint, grouped_linear  # noqa: E402
 
@@ -139,6 +139,52 @@ def test_fp8_experts_cannot_be_merged_into_and_dequantize_on_request():
     assert not experts.moe_rewrite_fp8() and [n for n, _ in experts.named_parameters()] == ["gate_up_proj", "down_proj"]
     assert experts.gate_up_proj.dtype == torch.float64 and experts.gate_up_proj.requires_grad
     assert torch.equal(moe.experts[3].up_proj.weight, ref[3].up_proj.weight)
+
+
+def test_fp8_experts_keep_their_codes_and_scales_through_dtype_casts():
+    """model.to(dtype) / .double() / .bfloat16() move FP8 experts' codes and scales without casting them (a cast would
+    double their memory and round the scales); the views dequantize to the dtype asked for."""
+    moe, ref = fp8_moe()
+    experts = moe.moe_rewrite_fuse_experts()
+    codes, scales = experts.gate_up_proj.detach().clone(), experts.down_proj_scale_inv.detach().clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double()):
+        cast(moe)
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale_inv.dtype == torch.float32
+        assert torch.equal(experts.gate_up_proj.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(experts.down_proj_scale_inv, scales)
+    assert experts.dequantized_dtype == torch.float64
+    assert torch.equal(moe.experts[1].down_proj.weight, ref[1].down_proj.weight)
+
+
+def test_fp8_codes_do_not_load_into_experts_that_are_not_fp8():
+    """The checkpoint's FP8 codes and scales into fused experts of real numbers would be taken as numbers (up to 448):
+    refused, nothing loaded."""
+    fp8_source, _ = fp8_moe()
+    plain = tiny_moe("fused", experts=6, hidden=HIDDEN, inter=INTER)
+    before = plain.experts.gate_up_proj.detach().clone()
+    state = {}
+    for i, expert in enumerate(fp8_source.experts):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            state[f"experts.{i}.{name}.weight"] = getattr(expert, name).weight.detach()
+            state[f"experts.{i}.{name}.weight_scale_inv"] = getattr(expert, name).weight_scale_inv.detach()
+    with pytest.raises(RuntimeError, match="holds FP8 block-quantized codes"):
+        plain.load_state_dict(state, strict=False)
+    assert torch.equal(plain.experts.gate_up_proj, before)
+
+
+def test_fsdp2_mixed_precision_leaves_fp8_experts_as_they_are():
+    """moe_rewrite_fully_shard's experts units: a MixedPrecisionPolicy's param_dtype is dropped for FP8 experts (FSDP2
+    would gather the codes and scales cast to it), kept for the others."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moe_rewrite.runtime import expert_parallel_model
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    moe, _ = fp8_moe()
+    fp8 = expert_parallel_model._moe_rewrite_experts_shard_kwargs(moe.moe_rewrite_fuse_experts(), {"mp_policy": policy})
+    assert fp8["mp_policy"].param_dtype is None and fp8["mp_policy"].reduce_dtype == torch.float32
+    plain = tiny_moe("fused").experts
+    assert expert_parallel_model._moe_rewrite_experts_shard_kwargs(plain, {"mp_policy": policy})["mp_policy"] is policy
 
 
 @pytest.mark.parametrize(

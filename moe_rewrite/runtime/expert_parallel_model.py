@@ -94,6 +94,20 @@ def _moe_rewrite_gather_experts(value, name, layer):
     return torch.cat(parts).view(value.dtype)
 
 
+def _moe_rewrite_experts_shard_kwargs(unit, kwargs):
+    """fully_shard's keyword arguments for an experts unit: FP8 experts keep their codes and scales as they are (a
+    mixed-precision param_dtype would gather them cast to it: twice the bytes, scales rounded); their adapters then
+    run in their own dtype."""
+    import dataclasses
+
+    experts, _ = _moe_rewrite_unwrap(unit)
+    policy = kwargs.get("mp_policy")
+    fp8 = getattr(experts, "moe_rewrite_fp8", lambda: False)()
+    if not fp8 or policy is None or getattr(policy, "param_dtype", None) is None:
+        return kwargs
+    return {**kwargs, "mp_policy": dataclasses.replace(policy, param_dtype=None)}
+
+
 def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     """For save_pretrained under expert parallelism or FSDP2, called on every rank: (the whole state dict (the
     model's own when None) on the writing rank, None on the others; True): each layer's fused experts gathered from
@@ -213,7 +227,7 @@ class Model:
         gloo = dist.get_backend() == "gloo"
         for layer in _moe_rewrite_moe_layers(self):
             unit = layer.experts  # the fused experts, or PEFT's wrappers of their parameters around them
-            fully_shard(unit, mesh=efsdp_mesh, **kwargs)
+            fully_shard(unit, mesh=efsdp_mesh, **_moe_rewrite_experts_shard_kwargs(unit, kwargs))
             _moe_rewrite_divide_gradients(unit, world, gloo and world // ep > 1)
             # moe_train runs the experts through moe_rewrite_run (with the wrappers' adapters): FSDP2 gathers the
             # unit around it as around a forward

@@ -100,12 +100,9 @@ def _moe_rewrite_fp8_loading(cls, path, kwargs):
         return kwargs
     settings = config.quantization_config
     settings = dict(settings) if isinstance(settings, dict) else settings.to_dict()
-    keep = list(settings.get("modules_to_not_convert") or ["lm_head"]) + [r"(.*\.)?layers\.\d+\.mlp\.experts$"]
-    quantization = transformers.FineGrainedFP8Config(
-        activation_scheme=settings.get("activation_scheme", "dynamic"),
-        weight_block_size=tuple(settings.get("weight_block_size") or (128, 128)),
-        modules_to_not_convert=keep,
-    )
+    keep = [*(settings.get("modules_to_not_convert") or []), "lm_head", r"(.*\.)?layers\.\d+\.mlp\.experts$"]
+    # transformers keeps the checkpoint's own settings and takes only the loading ones (this list) from this config
+    quantization = transformers.FineGrainedFP8Config(modules_to_not_convert=list(dict.fromkeys(keep)))
     return {**kwargs, "quantization_config": quantization}
 
 
@@ -138,6 +135,8 @@ def _moe_rewrite_dequantize_fp8_layers(model):
     if converted and not left and _moe_rewrite_fp8_checkpoint(model.config):
         # transformers' own reset when it dequantizes a model (HfQuantizer.dequantize)
         model.hf_quantizer, model.is_quantized = None, False
+        if hasattr(model, "quantization_method"):
+            del model.quantization_method
         for name in ("quantization_config", "_pre_quantization_dtype"):
             if hasattr(model.config, name):
                 delattr(model.config, name)

@@ -50,12 +50,20 @@ def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffi
     if not found:
         return
     gate_up, down = (module._parameters[name] for name in names)
-    if key_suffix == "weight" and module.moe_rewrite_fp8():
+    if key_suffix == "weight":
+        # FP8 codes load only into FP8 experts, with their scales; real numbers only into experts that are not FP8
         dtypes = {state_dict[key].dtype for _, _, key in found}
-        if dtypes != {gate_up.dtype}:
+        scaled = any(f"{key}_scale_inv" in state_dict for _, _, key in found)  # {i}.{projection}.weight_scale_inv
+        codes = torch.float8_e4m3fn in dtypes or scaled
+        if module.moe_rewrite_fp8() and dtypes != {gate_up.dtype}:
             raise RuntimeError(
-                f"moe-rewrite: {found[0][2]} is {dtypes.pop()}, and these experts hold FP8 block-quantized codes: load "
-                "a checkpoint of real numbers into experts that are not FP8"
+                f"moe-rewrite: {found[0][2]} is {dtypes.pop()}, and these experts hold FP8 block-quantized codes: "
+                "call model.moe_rewrite_dequantize_experts() first to load real numbers into them"
+            )
+        if codes and not module.moe_rewrite_fp8():
+            raise RuntimeError(
+                f"moe-rewrite: {found[0][2]} holds FP8 block-quantized codes (with weight_scale_inv), and these "
+                "experts are not FP8: load the FP8 checkpoint with from_pretrained, which keeps its experts FP8"
             )
     if gate_up.is_meta or type(gate_up) is not torch.nn.Parameter:
         # Meta (load_state_dict(assign=True)) or sharded (FSDP2 DTensor) parameters: whole tensors, loaded as usual.

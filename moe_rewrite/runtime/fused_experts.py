@@ -92,6 +92,22 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         """Whether the experts hold FP8 block-quantized weights (codes and scales)."""
         return "gate_up_proj_scale_inv" in self._parameters
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply (.to(), .cuda(), .bfloat16(), ...): FP8 experts' codes and scales are moved, never cast (a
+        cast would double their memory and round the scales); the views then dequantize to the dtype asked for."""
+        if not self.moe_rewrite_fp8():
+            return super()._apply(fn, recurse)
+        names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+        before = {name: self._parameters[name].data for name in names}
+        result = super()._apply(fn, recurse)
+        for name, data in before.items():
+            param = self._parameters[name]
+            if param.dtype != data.dtype:
+                if name == "gate_up_proj":
+                    self.dequantized_dtype = param.dtype
+                param.data = data.to(param.device)
+        return result
+
     def moe_rewrite_dequantize(self):
         """FP8 experts become bf16 (the model's dtype) experts, trainable: twice the memory; LoRA adapters can then be
         merged into them. Nothing happens to experts that are not FP8."""

@@ -25,14 +25,16 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
 
     `scale`: b holds FP8 codes and this its 128 x 128 block scales (_MoeRewriteFP8ExpertWeight): the Triton kernel
-    reads b as it is and multiplies each tile by its scales where it runs (CUDA, bf16 or fp16 rows),
+    reads b as it is and multiplies each tile by its scales where it runs (CUDA sm89+, bf16 or fp16 rows),
     else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`.
     """
     if scale is not None:
         kernels = _moe_rewrite_triton(a.device, a.dtype)
         n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
-        fits = _moe_rewrite_gemm_fits(n, k, scaled=True) and a.dtype in (torch.bfloat16, torch.float16)
-        if kernels is not None and fits and _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0":
+        fits = kernels is not None and _moe_rewrite_gemm_fits(n, k, scaled=True)
+        fits = fits and a.dtype in (torch.bfloat16, torch.float16)
+        fits = fits and torch.cuda.get_device_capability(a.device) >= (8, 9)  # Triton's float8 needs sm89+
+        if fits and _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0":
             return _moe_rewrite_grouped_mm(kernels, a, b, offsets, mode, scale)
         b = _moe_rewrite_dequantize(b, scale, a.dtype)
     if kernel == "torch":

@@ -49,7 +49,7 @@ def _moe_rewrite_parameter_lora(wrapper):
     if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
         return None
     lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
-    if lhs.dtype != lora_a[names[0]].weight.dtype:  # cast to the parameter's dtype: FP8 codes' would round them
+    if lhs.dtype == torch.float8_e4m3fn:  # cast to the parameter's dtype: FP8 experts' codes', which round them
         lhs, rhs = _moe_rewrite_delta_factors(wrapper, names[0])
     # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
     # expert as its fastest dim, so it is copied (out * r * E elements, with autograd).
