@@ -75,8 +75,8 @@ class _MoeRewriteDequantized(torch.Tensor):
 
 
 def _moe_rewrite_fp8_checkpoint(config):
-    """Whether `config` describes an FP8 checkpoint (quantization_config with quant_method "fp8", a dict as
-    config.json holds it or transformers' config object)."""
+    """Whether `config` describes an FP8 checkpoint (quantization_config with quant_method "fp8": a dict as the
+    checkpoint's configuration file holds it, or transformers' config object)."""
     settings = getattr(config, "quantization_config", None)
     method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
     return method == "fp8"  # transformers' QuantizationMethod is a str enum
@@ -108,10 +108,14 @@ def _moe_rewrite_fp8_loading(cls, path, kwargs):
 
 def _moe_rewrite_model_dtype(model):
     """The dtype the model computes in, which FP8 weights are dequantized to: its input embeddings' (never quantized),
-    else bfloat16."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embeddings, "weight", None)
-    return weight.dtype if weight is not None and weight.is_floating_point() else torch.bfloat16
+    else its first floating parameter's that is not FP8, else bfloat16."""
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):  # a model without input embeddings (or not saying which)
+        weight = None
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1), torch.bfloat16)
 
 
 def _moe_rewrite_dequantize_fp8_layers(model):

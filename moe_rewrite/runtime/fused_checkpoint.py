@@ -114,7 +114,7 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
             "checkpoint), as the rest of the model is",
             stacklevel=3,
         )
-    dtype = _moe_rewrite_model_dtype(model)
+    dtype = _moe_rewrite_model_dtype(model) if fp8 else None
     unfused = {}
     for key, value in state_dict.items():
         prefix, _, name = key.rpartition(".")
