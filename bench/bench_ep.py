@@ -157,6 +157,9 @@ def main():
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / f"ep-{args.config}-{world}.json", "w") as f:
             json.dump(results, f, indent=1)
+    # every rank out of its collectives before any tears down: a gloo peer torn down mid-exchange aborts the other
+    # ("terminate called without an active exception", SIGABRT; seen once in tests/test_expert_parallel.py)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -269,6 +269,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(row, f)
         print(json.dumps(row), flush=True)
+    # every rank out of its collectives before any tears down: a gloo peer torn down mid-exchange aborts the other
+    # ("terminate called without an active exception", SIGABRT; seen once in tests/test_expert_parallel.py)
+    dist.barrier()
     dist.destroy_process_group()
 
 
