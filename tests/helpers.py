@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import model_module, runtime_env  # noqa: E402
 
-from moe_rewrite.runtime import fused_experts, moe_train, parameter_lora, per_expert  # noqa: E402
+from moe_rewrite.runtime import fusing, moe_train, parameter_lora, per_expert  # noqa: E402
 
 REL = 1e-5
 
@@ -140,7 +140,7 @@ class Expert(torch.nn.Module):
 
 def tiny_moe(layout, experts=6, hidden=8, inter=5):
     """A MoE layer made of the runtime's own MoE-class methods: moe_train (the core) and the seam of `layout`."""
-    seam = per_expert.MoE if layout == "per_expert" else fused_experts.MoE
+    seam = per_expert.MoE if layout == "per_expert" else fusing.MoE
 
     class TinyMoE(moe_train.MoE, parameter_lora.MoE, seam, torch.nn.Module):
         def __init__(self):

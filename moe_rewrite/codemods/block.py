@@ -14,7 +14,7 @@ as one block in front of the MoE class, and their MoE-class methods right after 
 
 An earlier run's block (removed by `strip` before the other codemods run) and methods are replaced, so a run with
 other options rewrites them and a run with the same options changes nothing. A later section's method replaces an
-earlier one of the same name (per_expert.py's moe_rewrite_expert_weights replaces fused_experts.py's).
+earlier one of the same name (per_expert.py's moe_rewrite_expert_weights replaces fusing.py's).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 the file's PreTrainedModel subclass the methods that go with it.
 
 Both layouts get runtime/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
-fused_views.py and fused_experts.py (the fused module; --no-fuse-experts files can still fuse at run time)
+fused_views.py, fused_experts.py and fusing.py (the fused module and the fusing; --no-fuse-experts files can still
+fuse at run time)
 and fused_checkpoint.py (`save_pretrained` writes fused experts as the checkpoint's per-expert keys). The default adds
 fused_loading.py: `from_pretrained`, `_from_config` and `post_init` overrides that fuse every MoE layer, so every model
 class of the file (the base model, ForCausalLM, ...) comes out of `AutoModel*.from_pretrained(...,
@@ -27,8 +28,10 @@ SHARED = [
     "fp8_experts",
     "fused_views",
     "fused_experts",
+    "fusing",
     "fused_checkpoint",
     "expert_parallel_model",
+    "expert_parallel_checkpoint",
 ]  # both layouts' sections
 
 

@@ -21,11 +21,14 @@ sections it needs and imports nothing from moe-rewrite.
                        recognised, the experts fused with their codes and scales, the other layers dequantized on
                        loading; Model.moe_rewrite_dequantize_experts
     fused_views        expert i of the fused experts as nn.Linear views of the fused parameters (experts[i])
-    fused_experts      the experts as two parameters; MoE.moe_rewrite_fuse_experts and the seam,
+    fused_experts      the experts as two parameters (FP8 ones with their scales), run through the core
+    fusing             MoE.moe_rewrite_fuse_experts and the seam,
                        MoE.moe_rewrite_expert_weights() -> _MoeRewriteExpertMLP
     fused_checkpoint   per-expert checkpoint keys into fused experts and back; Model.save_pretrained
     expert_parallel_model  the model under expert parallelism: its group, FSDP2 on two meshes
-                       (Model.moe_rewrite_fully_shard), gradients without FSDP, gathered checkpoints and adapters
+                       (Model.moe_rewrite_fully_shard), gradients without FSDP
+    expert_parallel_checkpoint  whole checkpoints and adapters gathered from the ranks' shares (save_pretrained,
+                       Model.moe_rewrite_gathered_state_dict, Model.moe_rewrite_save_adapters)
     fused_loading      Model.from_pretrained / _from_config / post_init fuse on loading (the default); under expert
                        parallelism the other ranks' expert keys are skipped silently
     per_expert         --no-fuse-experts: the seam over per-expert nn.Linear layers

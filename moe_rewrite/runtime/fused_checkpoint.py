@@ -6,7 +6,7 @@ Always generated.
 import torch
 
 from .expert_linears import MOE_REWRITE_PROJECTIONS
-from .expert_parallel_model import _moe_rewrite_gathered_state_dict
+from .expert_parallel_checkpoint import _moe_rewrite_gathered_state_dict
 from .fp8_experts import _moe_rewrite_model_dtype
 from .grouped_linear import _moe_rewrite_dequantize
 

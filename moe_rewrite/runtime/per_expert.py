@@ -13,7 +13,8 @@ from .expert_linears import (
     _moe_rewrite_projections,
     _MoeRewriteExpertLinears,
 )
-from .fused_experts import _moe_rewrite_warn_unfused, _MoeRewriteFusedExperts
+from .fused_experts import _MoeRewriteFusedExperts
+from .fusing import _moe_rewrite_warn_unfused
 from .grouped_linear import _MoeRewriteExpertMLP
 from .parameter_lora import _moe_rewrite_unwrap
 
