@@ -123,7 +123,10 @@ def _moe_rewrite_dequantize_fp8_layers(model):
     dequantized weight in the model's dtype, trainable as in a bf16 checkpoint. Once none of transformers' FP8 layers
     is left the model is no longer marked quantized: Trainer refuses to train a model quantized by a method that
     cannot train (transformers 4.x says so of FP8), and save_pretrained writes a checkpoint of real numbers
-    (fused_checkpoint.py), which a quantization_config would misdescribe. Returns the number of layers converted."""
+    (fused_checkpoint.py), which a quantization_config would misdescribe. Returns the number of layers converted;
+    nothing is looked at unless the model's config describes an FP8 checkpoint (every from_pretrained calls this)."""
+    if not _moe_rewrite_fp8_checkpoint(model.config):
+        return 0
     dtype = _moe_rewrite_model_dtype(model)
     converted = 0
     for module in list(model.modules()):
@@ -136,7 +139,7 @@ def _moe_rewrite_dequantize_fp8_layers(model):
             module._modules[name] = linear
             converted += 1
     left = any(type(m).__name__.startswith("FP8") for m in model.modules())  # transformers' FP8Linear, FP8Experts
-    if converted and not left and _moe_rewrite_fp8_checkpoint(model.config):
+    if converted and not left:
         # transformers' own reset when it dequantizes a model (HfQuantizer.dequantize)
         model.hf_quantizer, model.is_quantized = None, False
         if hasattr(model, "quantization_method"):
