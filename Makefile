@@ -68,9 +68,11 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
 # Regenerate the goldens in tests/pairs/ (diffs and section hashes) after an intended change to moe_rewrite/runtime/ or the
-# codemods; the tests that wrote a golden skip ("updated ..."): review them with git diff.
+# codemods; the tests that wrote a golden skip ("updated ..."): review them with git diff. Then the generated code's
+# fingerprint is recorded with the version (tests/test_version.py), which must have moved if the code did.
 update-pairs: venv
 	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_codemod.py -k "fixture_pair or fixture_under_options or section_hashes"
+	MOE_REWRITE_UPDATE_PAIRS=1 $(PY) -m pytest -q tests/test_version.py
 
 clean:
 	rm -rf $(VENV) .venv-tf build dist *.egg-info .pytest_cache
