@@ -295,6 +295,13 @@ def _describe(result: RewriteResult) -> str:
     "trains selected experts): then --no-fuse-experts is chosen and said; an explicit --fuse-experts refuses such a "
     "file]",
 )
+@click.option(
+    "--fp8-experts/--no-fp8-experts",
+    default=None,
+    help="Generate the code that loads and trains FP8 block-quantized experts (DeepSeek-V3, R1, Kimi-K2 as shipped: "
+    "codes kept FP8, LoRA on them). [default: where the checkpoint's config.json asks for FP8, or where an earlier "
+    "rewrite of the file has them; said in the summary]",
+)
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
     "--skip-unrecognised",
@@ -325,6 +332,7 @@ def command(
     fused_norm,
     fused_rope,
     fuse_experts,
+    fp8_experts,
     force,
     skip_unrecognised,
     include_weights,
@@ -374,6 +382,7 @@ def command(
         fused_loss=fused_loss,
         fused_norm=fused_norm,
         fused_rope=fused_rope,
+        fp8_experts=fp8_experts,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")
@@ -430,7 +439,7 @@ def _rewrite(
         )
     try:
         with report.progress(src.name):
-            result = rewrite_source(text, options)
+            result = rewrite_source(text, options, sources.read_config(src.root))
         if report.checkpointing_asked and options.gradient_checkpointing and "checkpoint_layer" not in result.sections:
             report.info(
                 f"note: --gradient-checkpointing changes nothing in {src.name}: its decoder loop checkpoints "

@@ -26,6 +26,10 @@ class RewriteOptions:
     fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/lm_loss.py)
     fused_norm: bool = True  # RMSNorm through the fused Triton kernels where they apply (codemods/rmsnorm.py)
     fused_rope: bool = True  # apply_rotary_pos_emb through the fused Triton kernel where it applies (codemods/rope.py)
+    # FP8 block-quantized experts (runtime/fp8/): generated where asked; None, the default: where the checkpoint's
+    # config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records them, else not
+    # (rewrite.fp8_choice, said in the summary)
+    fp8_experts: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,7 +41,8 @@ class RewriteOptions:
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope]: the defaults are not named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts]: the defaults are not
+        named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -57,6 +62,8 @@ class RewriteOptions:
             parts.append("no-fused-norm")
         if not self.fused_rope:
             parts.append("no-fused-rope")
+        if self.fp8_experts:
+            parts.append("fp8-experts")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

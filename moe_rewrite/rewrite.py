@@ -4,7 +4,9 @@ being rewritten is never imported or executed."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
+import re
 import sys
 import tokenize
 import warnings
@@ -105,11 +107,12 @@ class RewriteResult:
     rope: tuple[str, ...] = ()  # what the rope codemod did, or left as published and why, a line each
 
 
-def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteResult:
-    """Rewrite one modeling file's text. Raises RewriteError (a one-line message) when it cannot: NotMoeFileError
-    alone for a file that is not a DeepSeek-family MoE file, else Refusals with every codemod's reason, the MoE form's
-    first; InternalError when moe-rewrite itself fails (a bug, whatever the file). Byte for byte outside the edits:
-    a UTF-8 byte-order mark and the file's last line break stay as they were.
+def rewrite_source(text: str, options: RewriteOptions | None = None, config: dict | None = None) -> RewriteResult:
+    """Rewrite one modeling file's text; `config`, the checkpoint's config.json where there is one, decides the
+    options left to the checkpoint (fp8_choice). Raises RewriteError (a one-line message) when it cannot:
+    NotMoeFileError alone for a file that is not a DeepSeek-family MoE file, else Refusals with every codemod's
+    reason, the MoE form's first; InternalError when moe-rewrite itself fails (a bug, whatever the file). Byte for
+    byte outside the edits: a UTF-8 byte-order mark and the file's last line break stay as they were.
 
     A file that holds this rewrite already, reformatted since (black, `ruff format`), is up to date: `changed` is
     False and `text` is the input, so that --check, --in-place and the pre-commit hooks agree with a formatter
@@ -121,8 +124,9 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
     limit = sys.getrecursionlimit()
     if sys.version_info >= (3, 11):  # libcst walks a long `a + b + ...` chain one frame per term
         sys.setrecursionlimit(max(limit, DEEP_RECURSION))
+    options, fp8_line = fp8_choice(options, config, body)
     try:
-        new_body, context = _rewrite(body, options)
+        new_body, context = _rewrite(body, options, [fp8_line] if fp8_line else [])
         if new_body != body and up_to_date(body, new_body):
             new_body = body
     except RecursionError:
@@ -197,12 +201,29 @@ def _check_syntax(text: str) -> None:
         raise RewriteError(f"cannot parse the file ({type(e).__name__})") from None
 
 
-def _rewrite(text: str, options: RewriteOptions) -> tuple[str, Context]:
+def fp8_choice(options: RewriteOptions, config: dict | None, text: str) -> tuple[RewriteOptions, str | None]:
+    """The options with fp8_experts decided, and the summary line saying why where the file's checkpoint chose them:
+    the caller's choice stands; else FP8 experts where config.json's quantization_config asks for FP8 (DeepSeek-V3,
+    R1 and Kimi-K2 as shipped), else where an earlier rewrite's banner records them (a vendored file rewritten again
+    without its config), else none."""
+    if options.fp8_experts is not None:
+        return options, None
+    settings = (config or {}).get("quantization_config")
+    if isinstance(settings, dict) and settings.get("quant_method") == "fp8":
+        line = "FP8 experts: generated, as config.json's quantization_config asks (quant_method fp8)"
+        return dataclasses.replace(options, fp8_experts=True), line
+    if re.search(rf"^{re.escape(block.BANNER)} .*\bfp8-experts\b", text, re.M):
+        line = "FP8 experts: kept, as the earlier rewrite's banner records them (--no-fp8-experts drops them)"
+        return dataclasses.replace(options, fp8_experts=True), line
+    return dataclasses.replace(options, fp8_experts=False), None
+
+
+def _rewrite(text: str, options: RewriteOptions, chosen: list[str]) -> tuple[str, Context]:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as e:
         raise RewriteError(f"syntax error at line {e.raw_line}, column {e.raw_column}") from None
-    context = Context(options)
+    context = Context(options, chosen=chosen)
     module = block.strip(module)
     refused: list[tuple[Codemod, str]] = []
     missing: set[str] = set()  # what the refused codemods, and those they left without input, did not provide

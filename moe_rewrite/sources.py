@@ -135,6 +135,15 @@ def _ref_problem(ref: object) -> str | None:
     return None
 
 
+def read_config(root: Path | None) -> dict | None:
+    """config.json as a dict (None without a checkpoint directory or config.json; read_auto_map has checked it)."""
+    path = None if root is None else root / "config.json"
+    if path is None or not (path.exists() or path.is_symlink()):
+        return None
+    config = parse_json(read_text(path), path)
+    return config if isinstance(config, dict) else None
+
+
 def read_auto_map(root: Path) -> dict:
     """config.json's auto_map, every class reference checked ({} without config.json or auto_map). A config.json that
     is not a regular file or not JSON, and a reference to code outside the checkpoint (or one transformers cannot

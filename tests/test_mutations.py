@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # a rewrite and a training step per variant: minutes in all (`make test` runs them)
 pytest.importorskip("transformers")
 
 from conftest import assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
