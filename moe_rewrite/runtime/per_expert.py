@@ -13,10 +13,10 @@ from .expert_linears import (
     _moe_rewrite_projections,
     _MoeRewriteExpertLinears,
 )
+from .expert_parallel import _moe_rewrite_unwrap
 from .fused_experts import _MoeRewriteFusedExperts
 from .fusing import _moe_rewrite_warn_unfused
 from .grouped_linear import _MoeRewriteExpertMLP
-from .parameter_lora import _moe_rewrite_unwrap
 
 
 class MoE:
