@@ -21,7 +21,7 @@ used by parameter_lora.py and the layouts above) and whether FSDP2 shards it as 
 
 import torch
 
-from .dispatch import _moe_rewrite_triton
+from ..kernels.dispatch import _moe_rewrite_triton
 from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort

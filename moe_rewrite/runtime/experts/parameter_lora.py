@@ -7,9 +7,9 @@ GEMMs of its rank, as it reads the per-expert ones (expert_linears.py). Always g
 
 import torch
 
+from ..moe.expert_parallel import _moe_rewrite_fsdp2_unit, _moe_rewrite_unwrap
+from ..moe.grouped_linear import _MoeRewriteExpertWeight
 from .expert_linears import MOE_REWRITE_PROJECTIONS
-from .expert_parallel import _moe_rewrite_fsdp2_unit, _moe_rewrite_unwrap
-from .grouped_linear import _MoeRewriteExpertWeight
 
 
 def _moe_rewrite_parameter_lora(wrapper):
