@@ -1,6 +1,6 @@
 """The causal-LM loss alone, forward + backward (issue #34, item 2): the published statements (lm_head, float32 logits,
-shifted copy, CrossEntropyLoss) against the fused loss (moe_rewrite/runtime/lm_loss.py) at each chunk size, with its
-Triton cross-entropy rows and with the same rows as torch ops. The same hidden states, weight and labels (10% -100)
+shifted copy, CrossEntropyLoss) against the fused loss (moe_rewrite/runtime/model/lm_loss.py) at each chunk size, with
+its Triton cross-entropy rows and with the same rows as torch ops. The same hidden states, weight and labels (10% -100)
 for every row. Prints one JSON object: per row the median step time, the peak memory above what the inputs hold, the
 loss, and the relative difference of the loss and of both gradients against the published path.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moe_rewrite.runtime import lm_loss  # noqa: E402
+from moe_rewrite.runtime.model import lm_loss  # noqa: E402
 
 
 def published(hidden, weight, labels):

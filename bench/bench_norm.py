@@ -1,5 +1,5 @@
 """RMSNorm forward and forward + backward: the published module against the same module with the fused branch the
-rmsnorm codemod inserts (runtime/triton_rmsnorm.py), at the row widths of Moonlight (hidden 2048, q_a 1536,
+rmsnorm codemod inserts (runtime/kernels/triton_rmsnorm.py), at the row widths of Moonlight (hidden 2048, q_a 1536,
 kv_a 512) and DeepSeek-V3 (hidden 7168), 8192 rows (2 x 4096 tokens), bf16 activations and weights by default.
 
     python bench/bench_norm.py                      # CUDA; one JSON object per width, then one with all of them
@@ -40,7 +40,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from moe_rewrite.runtime import triton_rmsnorm
+    from moe_rewrite.runtime.kernels import triton_rmsnorm
 
     dtype = getattr(torch, args.dtype)
     weight_dtype = getattr(torch, args.weight_dtype or args.dtype)

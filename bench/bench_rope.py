@@ -1,6 +1,6 @@
 """RoPE forward and forward + backward: the published apply_rotary_pos_emb against the fused one the rope codemod
-branches to (runtime/triton_rope.py), at Moonlight's sizes by default: batch 2, 4096 positions, q_pe of 16 heads and
-k_pe of one, 64 rotated lanes, cut from MLA's projections as the attention forward cuts them, bf16.
+branches to (runtime/kernels/triton_rope.py), at Moonlight's sizes by default: batch 2, 4096 positions, q_pe of 16 heads
+and k_pe of one, 64 rotated lanes, cut from MLA's projections as the attention forward cuts them, bf16.
 
     python bench/bench_rope.py                      # CUDA; one JSON object
     python bench/bench_rope.py --device cpu         # a tiny smoke run in Triton's interpreter (checks the script)
@@ -39,7 +39,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from moe_rewrite.runtime import triton_rope
+    from moe_rewrite.runtime.kernels import triton_rope
 
     dtype = getattr(torch, args.dtype)
     nope, rope_dim, latent = 128, 64, 512

@@ -1,6 +1,7 @@
 """Probe (issue #37, bench/NOTES.md change 36): variants of the FP8-weight grouped GEMM (bf16 rows times FP8 codes with
-a float32 scale per 128 x 128 block; W8A16), to find what the Triton kernel in moe_rewrite/runtime/triton_gemm.py should
-do. The tile order is the runtime kernel's (expert, column strip, row tile). Variants (constexprs):
+a float32 scale per 128 x 128 block; W8A16), to find what the Triton kernel in
+moe_rewrite/runtime/kernels/triton_gemm.py should do. The tile order is the runtime kernel's (expert, column strip, row
+tile). Variants (constexprs):
   SWAP  0: rows first, out = a W^T (the converted weights are the second operand: through shared memory on sm90)
         1: weights first, out^T = W a^T (the converted weights can be the first operand, from registers)
   POST  0: each weight tile times its scales in float32, rounded to bf16, then multiplied (the weights exactly as
@@ -31,7 +32,8 @@ import bench_moe as b  # noqa: E402
 from bench_fp8 import CONFIGS, quantize  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
-from moe_rewrite.runtime import dispatch, grouped_linear, triton_gemm  # noqa: E402
+from moe_rewrite.runtime.kernels import dispatch, triton_gemm  # noqa: E402
+from moe_rewrite.runtime.moe import grouped_linear  # noqa: E402
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""How long SonicMoE's first calls take through the generated code's sonicmoe backend (runtime/backends.py):
+"""How long SonicMoE's first calls take through the generated code's sonicmoe backend (runtime/moe/backends.py):
 the first forward+backward at a shape compiles its kernels; this times that, a repeat, and new token counts, to see
 whether a new batch shape compiles again. Prints one line per call. Needs sonic-moe and an sm90 GPU.
 
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_moe import CONFIGS  # noqa: E402
-from moe_rewrite.runtime import backends, grouped_linear  # noqa: E402
+from moe_rewrite.runtime.moe import backends, grouped_linear  # noqa: E402
 
 
 def main():

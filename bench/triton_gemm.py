@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_moe as b  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
-from moe_rewrite.runtime import dispatch, triton_gather, triton_swiglu  # noqa: E402  (the generated code's own kernels)
+from moe_rewrite.runtime.kernels import dispatch, triton_gather, triton_swiglu  # noqa: E402  (the generated code's own kernels)
 
 
 @triton.jit

@@ -76,7 +76,8 @@ class Reporter:
         """-v: the runtime sections the generated code holds, in reading order."""
         from moe_rewrite.render import ordered
 
-        self.detail(f"  generated code: {', '.join(ordered(set(result.sections)))} (moe_rewrite/render.py SECTIONS)")
+        names = ", ".join(ordered(set(result.sections)))
+        self.detail(f"  generated code: {names} (moe_rewrite/runtime/__init__.py SECTION_LIST)")
 
     def attention(self, result: RewriteResult) -> None:
         """Under a file's line: each option chosen for the file, each attention, loss, norm or RoPE left as published

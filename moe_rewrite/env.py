@@ -1,8 +1,8 @@
 """`moe-rewrite env`: what this machine gives the generated code. The installed versions, whether transformers is in
 the range the tests run on, and the grouped-GEMM kernel the generated code picks here, and why (on a GPU, also whether
-its Triton kernels run). Both come from the generated code's own choice (runtime/dispatch.py), so they are what a
-rewritten file does on this machine. The versions print at once; the kernel lines follow once torch has loaded (a few
-seconds on a cold start).
+its Triton kernels run). Both come from the generated code's own choice (runtime/kernels/dispatch.py), so they are
+what a rewritten file does on this machine. The versions print at once; the kernel lines follow once torch has loaded
+(a few seconds on a cold start).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def transformers_support(version: str | None) -> str:
 
 
 def _runtime():
-    """runtime/dispatch.py (the kernel choice) as a module, loaded afresh as a new process would (it reads the
+    """runtime/kernels/dispatch.py (the kernel choice) as a module, loaded afresh as a new process would (it reads the
     environment once), of the runtime as a package (it imports its sibling sections): the generated code's kernel
     choice as the rewritten files run it."""
     package = "_moe_rewrite_env_runtime"
@@ -59,7 +59,7 @@ def _runtime():
     spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(init.parent)])
     sys.modules[package] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[package])
-    return importlib.import_module(f"{package}.dispatch")
+    return importlib.import_module(f"{package}.{sys.modules[package].BY_NAME['dispatch'].package}.dispatch")
 
 
 def _why(kernel: str, device, torch) -> str:
@@ -109,7 +109,7 @@ def report() -> Iterator[str]:
 
 
 def _elementwise(runtime, device, torch) -> str:
-    """Whether the Triton kernels (runtime/triton_*.py) run the route, SwiGLU, the weighted un-sort and (sm90,
+    """Whether the Triton kernels (runtime/kernels/triton_*.py) run the route, SwiGLU, the weighted un-sort and (sm90,
     few rows per expert) the grouped GEMM here."""
     if runtime._moe_rewrite_triton(device, torch.bfloat16) is not None:
         return "Triton kernels (the route, SwiGLU, its backward, the weighted un-sort; sm90: the grouped GEMM)"

@@ -1,5 +1,6 @@
-"""The generated code: moe_rewrite/runtime/ holds it as real, importable Python, one file per section; this module
-renders a section into CST nodes for the file being rewritten.
+"""The generated code: moe_rewrite/runtime/ holds it as real, importable Python, one file per section in a package per
+concern (runtime/__init__.py's SECTION_LIST lists them); this module renders a section into CST nodes for the file
+being rewritten.
 
 A section file is a module docstring (for people reading runtime/), imports (so that the file imports, lints and
 tests on its own), then the code moe-rewrite copies: module-level statements go into the generated block in front of
@@ -20,55 +21,18 @@ import libcst.matchers as m
 
 from moe_rewrite import __version__
 from moe_rewrite.options import RewriteOptions
+from moe_rewrite.runtime import SECTION_LIST
 
-# Every section, in the order the generated block holds them: name -> what it does, in one sentence.
-SECTIONS = {
-    "dispatch": "the kernel choice: grouped-GEMM kernel and Triton kernels per device and dtype, once per process",
-    "route": "the route: rows sorted by expert, and the gather, un-sort and weighted combine along it",
-    "grouped_linear": "the grouped GEMM with autograd over weight sources, and the gather of x's rows",
-    "expert_output": "act_fn(gate) * up, the down GEMM and the weighted combine as one autograd node",
-    "backends": "the expert MLPs outside the grouped GEMMs: SonicMoE's kernels and the per-expert loop",
-    "moe_train": "MoE.moe_train: the routed experts in training mode, LoRA adapters' GEMMs included",
-    "expert_parallel": "expert parallelism (ep_size > 1): rows to the ranks holding their experts and back, all-to-all",
-    "triton_block": "the column block of the row-wise Triton kernels",
-    "triton_route": "the route in one Triton launch",
-    "triton_gather": "the gather of each token's row to its top-k places in Triton",
-    "triton_swiglu": "SwiGLU and its backward in Triton",
-    "triton_sum_rows": "the weighted un-sort and sum of each token's rows, and its backward, in Triton",
-    "triton_gemm": "a Triton grouped GEMM for few rows per expert on sm90",
-    "expert_linears": "weight sources over per-expert nn.Linear weights and the LoRA adapters PEFT puts on experts",
-    "parameter_lora": "PEFT's LoRA on the fused expert parameters (target_parameters) and eval mode under it",
-    "fp8_experts": "FP8 block-quantized checkpoints: FP8Linear layers found, the others dequantized on loading",
-    "fused_views": "expert i of the fused experts as a module of nn.Linear views of the fused parameters",
-    "fused_experts": "the routed experts fused into two parameters",
-    "fusing": "MoE.moe_rewrite_fuse_experts, and the fused layout's moe_rewrite_expert_weights",
-    "fused_checkpoint": "per-expert checkpoint keys into fused experts and back (save_pretrained)",
-    "expert_parallel_model": "the model under expert parallelism: its groups, FSDP2 on two meshes, gradients",
-    "expert_parallel_checkpoint": "whole checkpoints and adapters gathered from expert-parallel or FSDP2 ranks",
-    "fused_loading": "from_pretrained and from_config fuse every MoE layer's experts",
-    "per_expert": "the grouped-GEMM core over per-expert nn.Linear layers (--no-fuse-experts)",
-    "aux_loss": "the sequence-wise balance loss (--aux-loss)",
-    "bias_update": "aux-loss-free balancing, bias += RATE * sign(mean load - load) (--bias-update)",
-    "no_aux_loss": "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: a clear error, or none (opt-in)",
-    "attention": "the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape",
-    "lm_loss": "the causal-LM loss in chunks, without float32 logits over the vocabulary, in training with labels",
-    "triton_cross_entropy": "the fused loss's cross-entropy rows (logsumexp, loss, gradient in place) in Triton",
-    "triton_rmsnorm": "RMSNorm and its backward in Triton where they apply (CUDA); the published norm elsewhere",
-    "triton_rope": "RoPE and its backward in Triton where they apply (CUDA); the published RoPE elsewhere",
-    "checkpoint_layer": "gradient_checkpointing_enable() checkpoints the decoder layers",
-    "compat_cache": "Cache methods that later transformers releases removed",
-    "compat_rope_scaling": "config.rope_scaling as the file expects it on transformers 5.x",
-    "compat_generation": "generation position ids sliced as transformers 4.x passed them",
-    "init_guards": "_init_weights keeps loaded weights and rebuilds non-persistent buffers on transformers 5.x",
-}
+# Every section of the block, in the order the block holds them: name -> what it does, in one sentence (the import
+# fallbacks, which compat.py renders where the file's import fails, are not in the block).
+SECTIONS = {entry.name: entry.does for entry in SECTION_LIST if not entry.fallback}
 # The core's sections: moe_train and everything it calls, which every rewritten MoE layer needs
-CORE_SECTIONS = frozenset(
-    ["dispatch", "route", "grouped_linear", "expert_output", "backends", "moe_train", "expert_parallel"]
-    + ["triton_block", "triton_route", "triton_gather", "triton_swiglu", "triton_sum_rows", "triton_gemm"]
-)
+CORE_SECTIONS = frozenset(entry.name for entry in SECTION_LIST if entry.core)
+PACKAGE_OF = {entry.name: entry.package for entry in SECTION_LIST}  # section -> its package under runtime/
 # What a section may import at module level, since the import is not copied: the names every file moe-rewrite rewrites
-# binds (`import torch`; the DeepSeek files bind more, the smallest forms it accepts only torch), and the sibling
-# sections (`from .route import ...`), whose code the block holds. Anything else goes inside the function.
+# binds (`import torch`; the DeepSeek files bind more, the smallest forms it accepts only torch), and the other
+# sections (`from .route import ...`, `from ..kernels.dispatch import ...`), whose code the block holds. Anything else
+# goes inside the function.
 FILE_IMPORTS = ("import torch",)
 OPTIONS_NAME = "_moe_rewrite_options"  # dispatch.py's options dict, filled with the rewrite's options
 # expert_linears.py's (gate, up, down) projection names, filled with the file's experts' own (Kimi's w1, w3, w2)
@@ -83,12 +47,21 @@ class Section:
     model_methods: list[cst.FunctionDef]  # for the PreTrainedModel subclass
 
 
-RUNTIME_DIR = Path(__file__).parent / "runtime"  # the sections, one module each
+RUNTIME_DIR = Path(__file__).parent / "runtime"  # the sections, one module each, in a package per concern
+
+
+def section_path(name: str) -> str:
+    """Section `name`'s file relative to RUNTIME_DIR's parent, e.g. runtime/moe/route.py."""
+    return f"runtime/{PACKAGE_OF[name]}/{name}.py"
+
+
+def section_file(name: str) -> Path:
+    return RUNTIME_DIR.parent / section_path(name)
 
 
 @lru_cache(maxsize=None)
 def load_section(name: str) -> str:
-    return (RUNTIME_DIR / f"{name}.py").read_text(encoding="utf-8")
+    return section_file(name).read_text(encoding="utf-8")
 
 
 def _is_header(stmt: cst.BaseStatement) -> bool:
@@ -96,16 +69,26 @@ def _is_header(stmt: cst.BaseStatement) -> bool:
     return m.matches(stmt, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom() | m.Expr(m.SimpleString())]))
 
 
+def imported_section(name: str, node: cst.ImportFrom) -> str | None:
+    """The section that section `name`'s relative import names (`from .route import ...` in its own package,
+    `from ..kernels.dispatch import ...` in another), or None where it names no section."""
+    if not node.relative or node.module is None or len(node.relative) > 2:
+        return None
+    parts = cst.helpers.get_full_name_for_node(node.module).split(".")
+    target = [PACKAGE_OF[name], *parts] if len(node.relative) == 1 else parts  # under runtime/
+    if len(target) == 2 and PACKAGE_OF.get(target[1]) == target[0]:
+        return target[1]
+    return None
+
+
 def _check_import(name: str, stmt: cst.SimpleStatementLine, module: cst.Module) -> None:
     node = stmt.body[0]
-    if isinstance(node, cst.ImportFrom) and node.relative and node.module is not None:
-        sibling = cst.helpers.get_full_name_for_node(node.module)
-        if len(node.relative) == 1 and (RUNTIME_DIR / f"{sibling}.py").exists():
-            return
+    if isinstance(node, cst.ImportFrom) and imported_section(name, node) is not None:
+        return
     code = module.code_for_node(node)
     if isinstance(node, (cst.Import, cst.ImportFrom)) and code not in FILE_IMPORTS:
         raise ValueError(
-            f"runtime/{name}.py: `{code}` would not be in the rewritten file (module-level imports are not copied, "
+            f"{section_path(name)}: `{code}` would not be in the rewritten file (module-level imports are not copied, "
             f"and the file is known to have only {', '.join(FILE_IMPORTS)}): import it inside the function using it"
         )
 

@@ -50,8 +50,8 @@ _interpret_triton_without_a_gpu()
 
 def forget_runtime_settings() -> None:
     """Make every loaded patched module and runtime section read its environment variables and choose its kernels
-    again (the generated code does both once per process): every dict named `_moe_rewrite_*_cache` (runtime/dispatch.py)
-    in a module holding the generated options is emptied."""
+    again (the generated code does both once per process): every dict named `_moe_rewrite_*_cache`
+    (runtime/kernels/dispatch.py) in a module holding the generated options is emptied."""
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", {})
         if "_moe_rewrite_options" not in namespace:

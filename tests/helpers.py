@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import model_module, runtime_env  # noqa: E402
 
-from moe_rewrite.runtime import fusing, moe_train, parameter_lora, per_expert  # noqa: E402
+from moe_rewrite.runtime.experts import fusing, parameter_lora, per_expert  # noqa: E402
+from moe_rewrite.runtime.moe import moe_train  # noqa: E402
 
 REL = 1e-5
 

@@ -12,7 +12,7 @@ import torch
 from conftest import run_cli, runtime_env
 
 from moe_rewrite import RewriteOptions, rewrite_source
-from moe_rewrite.runtime import attention
+from moe_rewrite.runtime.model import attention
 
 PAIRS = Path(__file__).parent / "pairs"
 B, H, S, QK, V = 2, 3, 9, 24, 16

@@ -9,8 +9,8 @@ import torch
 from conftest import V3_DIR, runtime_env
 
 from moe_rewrite import RewriteOptions, rewrite_source
-from moe_rewrite.runtime import attention
-from moe_rewrite.runtime.compat_causal_mask import _prepare_4d_causal_attention_mask as build_4d
+from moe_rewrite.runtime.compat.compat_causal_mask import _prepare_4d_causal_attention_mask as build_4d
+from moe_rewrite.runtime.model import attention
 
 
 class _Config:

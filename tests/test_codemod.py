@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +133,11 @@ def test_fixture_under_options(fixture: str, case: str):
 def test_no_two_sections_define_one_name():
     """The sections share one namespace in the rewritten file: a name two of them define would silently be the later
     one's (the placeholder classes MoE and Model are not copied)."""
-    from moe_rewrite.render import PLACEHOLDERS, RUNTIME_DIR, SECTIONS
+    from moe_rewrite.render import PLACEHOLDERS, SECTIONS, section_file
 
     owners: dict[str, list[str]] = {}
     for section in SECTIONS:
-        for stmt in ast.parse((RUNTIME_DIR / f"{section}.py").read_text()).body:
+        for stmt in ast.parse(section_file(section).read_text()).body:
             names = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) else []
             if isinstance(stmt, ast.Assign):
                 names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
@@ -153,20 +154,35 @@ def test_section_hashes():
 
 def test_a_section_importing_what_the_file_lacks_is_refused(tmp_path, monkeypatch):
     """A module-level import is not copied into the rewritten file: only `import torch` (which every file it rewrites
-    has) and the sibling sections may be imported there; anything else would be a NameError in the rewritten file."""
+    has) and the other sections may be imported there (relative imports naming a section, in its package or another);
+    anything else would be a NameError in the rewritten file."""
     import libcst as cst
 
     from moe_rewrite import render
 
-    monkeypatch.setattr(render, "RUNTIME_DIR", tmp_path)
-    (tmp_path / "probe_sibling.py").write_text('"""A section."""\n\nimport torch\n\nMOE_REWRITE_ONE = torch.ones(1)\n')
-    (tmp_path / "probe_uses.py").write_text("from .probe_sibling import MOE_REWRITE_ONE\n\nMOE_REWRITE_TWO = 2\n")
-    (tmp_path / "probe_math.py").write_text("import math\n\nMOE_REWRITE_PI = math.pi\n")
+    monkeypatch.setattr(render, "RUNTIME_DIR", tmp_path / "runtime")
+    probes = {
+        "probe_sibling": ("one", '"""A section."""\n\nimport torch\n\nMOE_REWRITE_ONE = torch.ones(1)\n'),
+        "probe_uses": ("one", "from .probe_sibling import MOE_REWRITE_ONE\n\nMOE_REWRITE_TWO = 2\n"),
+        "probe_across": ("two", "from ..one.probe_sibling import MOE_REWRITE_ONE\n\nMOE_REWRITE_THREE = 3\n"),
+        "probe_math": ("two", "import math\n\nMOE_REWRITE_PI = math.pi\n"),
+        "probe_not_there": ("two", "from .probe_sibling import MOE_REWRITE_ONE\n\nMOE_REWRITE_FOUR = 4\n"),
+        "probe_outside": ("two", "from ...options import RewriteOptions\n\nMOE_REWRITE_FIVE = 5\n"),
+    }
+    for name, (package, text) in probes.items():
+        monkeypatch.setitem(render.PACKAGE_OF, name, package)
+        (tmp_path / "runtime" / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runtime" / package / f"{name}.py").write_text(text)
     empty = cst.parse_module("")
-    assert len(render.render_section("probe_sibling", empty).statements) == 1
-    assert len(render.render_section("probe_uses", empty).statements) == 1
-    with pytest.raises(ValueError, match=r"runtime/probe_math\.py: `import math` would not be in the rewritten file"):
-        render.render_section("probe_math", empty)
+    for name in ["probe_sibling", "probe_uses", "probe_across"]:
+        assert len(render.render_section(name, empty).statements) == 1
+    for name, code in [
+        ("probe_math", "import math"),
+        ("probe_not_there", "from .probe_sibling import MOE_REWRITE_ONE"),  # probe_sibling is in package one
+        ("probe_outside", "from ...options import RewriteOptions"),
+    ]:
+        with pytest.raises(ValueError, match=rf"runtime/two/{name}\.py: `{re.escape(code)}` would not be in the rewr"):
+            render.render_section(name, empty)
 
 
 @pytest.mark.parametrize("source", INPUTS, ids=lambda p: p.name.removesuffix(".in.py"))

@@ -80,7 +80,7 @@ def test_a_removed_name_the_file_uses_without_a_stand_in_is_refused(tmp_path):
 def test_mask_stand_in_equals_transformers_bit_for_bit():
     torch = pytest.importorskip("torch")
     reference = pytest.importorskip("transformers.modeling_attn_mask_utils")._prepare_4d_causal_attention_mask
-    from moe_rewrite.runtime.compat_causal_mask import _prepare_4d_causal_attention_mask as ours
+    from moe_rewrite.runtime.compat.compat_causal_mask import _prepare_4d_causal_attention_mask as ours
 
     gen = torch.Generator().manual_seed(0)
     checked = 0

@@ -15,7 +15,9 @@ torch = pytest.importorskip("torch")
 from conftest import patch_runtime, runtime_env  # noqa: E402
 from helpers import tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import backends, dispatch, lm_loss, triton_swiglu  # noqa: E402
+from moe_rewrite.runtime.kernels import dispatch, triton_swiglu  # noqa: E402
+from moe_rewrite.runtime.model import lm_loss  # noqa: E402
+from moe_rewrite.runtime.moe import backends  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -131,7 +133,7 @@ def test_the_default_model_trains_under_gradient_checkpointing_in_bf16(tmp_path_
     same weights and tokens."""
     from conftest import build_model, patched_checkpoint
 
-    from moe_rewrite.runtime import attention
+    from moe_rewrite.runtime.model import attention
 
     path = patched_checkpoint(tmp_path_factory, form)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
@@ -190,7 +192,7 @@ def test_the_fused_rmsnorm_equals_the_published_module(monkeypatch, x_dtype, w_d
     values but where the fp32 mean's summation order flips a rounding of the normalised row (rare); gradients of x and
     the weight within bf16 tolerance (fp32: 1e-5).
     MOE_REWRITE_FUSED_NORM=0 turns it off."""
-    from moe_rewrite.runtime import triton_rmsnorm
+    from moe_rewrite.runtime.kernels import triton_rmsnorm
 
     x_dtype, w_dtype = getattr(torch, x_dtype), getattr(torch, w_dtype)
     torch.manual_seed(width)
@@ -243,7 +245,7 @@ def test_the_fused_rope_equals_the_published_function_bit_for_bit(monkeypatch, d
     kv's last 64 lanes), a yarn-like table in the activations' dtype: outputs and the gradients of q_pe and k_pe bit
     for bit (the kernel rounds each product and sum as published and as autograd does), with position_ids of batch 1
     and per batch row (offsets). MOE_REWRITE_FUSED_ROPE=0 turns it off."""
-    from moe_rewrite.runtime import triton_rope
+    from moe_rewrite.runtime.kernels import triton_rope
 
     dtype = getattr(torch, dtype)
     torch.manual_seed(0)
@@ -283,7 +285,7 @@ def test_fp8_experts_equal_their_dequantized_bf16_twins(monkeypatch, kernel_on):
 
     from fp8 import fp8_moe
 
-    from moe_rewrite.runtime import triton_gemm
+    from moe_rewrite.runtime.kernels import triton_gemm
 
     torch.manual_seed(3)
     if not kernel_on:

@@ -17,7 +17,8 @@ from conftest import patched_checkpoint, runtime_env  # noqa: E402
 from fp8 import HIDDEN, INTER, dequantize_blockwise, fp8_moe, fp8_standin, quantize_blockwise  # noqa: E402
 from helpers import assert_same_step, lora, reference, rel_err, routing, step, tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import fused_checkpoint, grouped_linear  # noqa: E402
+from moe_rewrite.runtime.experts import fused_checkpoint  # noqa: E402
+from moe_rewrite.runtime.moe import grouped_linear  # noqa: E402
 
 EXPERTS, TOP_K = 6, 2
 
@@ -177,7 +178,7 @@ def test_fsdp2_mixed_precision_leaves_fp8_experts_as_they_are():
     would gather the codes and scales cast to it), kept for the others."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe_rewrite.runtime import expert_parallel_model
+    from moe_rewrite.runtime.parallel import expert_parallel_model
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     moe, _ = fp8_moe()

@@ -9,7 +9,7 @@ import torch
 from conftest import build_model, model_module, run_cli, runtime_env
 
 from moe_rewrite import RewriteOptions, rewrite_source
-from moe_rewrite.runtime import lm_loss
+from moe_rewrite.runtime.model import lm_loss
 
 B, S, H, V = 2, 7, 16, 40
 TOL = 1e-5

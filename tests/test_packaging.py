@@ -24,9 +24,10 @@ def wheel(tmp_path_factory):
 
 def test_wheel_ships_the_runtime_and_entry_point(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    from moe_rewrite.render import SECTIONS
+    from moe_rewrite.runtime import PACKAGES, SECTION_LIST
 
-    assert {f"moe_rewrite/runtime/{name}.py" for name in SECTIONS} <= set(names)
+    assert {f"moe_rewrite/runtime/{entry.package}/{entry.name}.py" for entry in SECTION_LIST} <= set(names)
+    assert {f"moe_rewrite/runtime/{package}/__init__.py" for package in PACKAGES} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "moe-rewrite = moe_rewrite.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

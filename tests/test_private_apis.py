@@ -21,7 +21,7 @@ RUNTIME = ROOT / "moe_rewrite" / "runtime"
 
 def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
     """A new private name in the generated code needs its own test below (and a reason beside it)."""
-    code = "\n".join(p.read_text() for p in RUNTIME.glob("*.py"))
+    code = "\n".join(p.read_text() for p in sorted(RUNTIME.rglob("*.py")))
     used = set(re.findall(r"(?:torch\._C\.|torch\.|\.)(_[a-z][a-z_]+)\b", code))
     used |= set(re.findall(r"[\"'](_[a-z][a-z_]+)[\"']", code))  # by name: getattr(m, "_hf_hook", None)
     # ours: our prefix, and what the runtime defines itself (the compat stand-ins' methods and attributes)
@@ -330,7 +330,7 @@ def test_peft_param_wrappers_say_how_they_read_their_parameter():
     peft = pytest.importorskip("peft")
     from helpers import tiny_moe
 
-    from moe_rewrite.runtime import parameter_lora
+    from moe_rewrite.runtime.experts import parameter_lora
 
     holder = torch.nn.Module()
     holder.experts = tiny_moe("fused", experts=3, hidden=8, inter=6).float().experts

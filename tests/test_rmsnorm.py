@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli
 
 from moe_rewrite import RewriteOptions, rewrite_source
-from moe_rewrite.runtime import triton_rmsnorm
+from moe_rewrite.runtime.kernels import triton_rmsnorm
 
 PAIRS = Path(__file__).parent / "pairs"
 # The published norm, as every DeepSeek copy writes it (its docstring in __init__, as there)

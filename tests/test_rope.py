@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli
 
 from moe_rewrite import RewriteOptions, rewrite_source
-from moe_rewrite.runtime import triton_rope
+from moe_rewrite.runtime.kernels import triton_rope
 
 PAIRS = Path(__file__).parent / "pairs"
 # The published functions, as every DeepSeek V2/V3 copy writes them (in our words: the docstrings are ours)

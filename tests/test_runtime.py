@@ -12,18 +12,9 @@ torch = pytest.importorskip("torch")
 from conftest import forget_runtime_settings, runtime_env  # noqa: E402
 from helpers import Expert, reference, routing, tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import (  # noqa: E402
-    backends,
-    dispatch,
-    expert_linears,
-    expert_output,
-    fused_checkpoint,
-    fused_experts,
-    fused_views,
-    grouped_linear,
-    moe_train,
-    route,
-)
+from moe_rewrite.runtime.experts import expert_linears, fused_checkpoint, fused_experts, fused_views  # noqa: E402
+from moe_rewrite.runtime.kernels import dispatch  # noqa: E402
+from moe_rewrite.runtime.moe import backends, expert_output, grouped_linear, moe_train, route  # noqa: E402
 
 ACT = torch.nn.functional.silu
 

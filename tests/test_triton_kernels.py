@@ -1,4 +1,4 @@
-"""The Triton kernels of runtime/triton_*.py against float64 references, alone and inside moe_train (output
+"""The Triton kernels of runtime/kernels/triton_*.py against float64 references, alone and inside moe_train (output
 and the gradients of x, the routing weights and both fused parameters). On the CPU they run in Triton's interpreter
 (TRITON_INTERPRET=1, small sizes, a few column blocks per row); where there is a CUDA GPU, compiled, at Moonlight's
 row widths.
@@ -15,13 +15,8 @@ pytest.importorskip("triton")  # in the test extra: CI has it
 from conftest import patch_runtime, runtime_env  # noqa: E402
 from helpers import reference, routing, tiny_moe  # noqa: E402
 
-from moe_rewrite.runtime import (  # noqa: E402
+from moe_rewrite.runtime.kernels import (  # noqa: E402
     dispatch,
-    expert_output,
-    grouped_linear,
-    lm_loss,
-    moe_train,
-    route,
     triton_cross_entropy,
     triton_gather,
     triton_gemm,
@@ -31,6 +26,8 @@ from moe_rewrite.runtime import (  # noqa: E402
     triton_sum_rows,
     triton_swiglu,
 )
+from moe_rewrite.runtime.model import lm_loss  # noqa: E402
+from moe_rewrite.runtime.moe import expert_output, grouped_linear, moe_train, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton interpret without a GPU
 

@@ -56,9 +56,9 @@ def test_a_v1_model_without_ep_size_trains_with_fused_experts(tmp_path):
 
 def test_mask_stand_ins_equal_transformers_bit_for_bit():
     utils = pytest.importorskip("transformers.modeling_attn_mask_utils")
-    from moe_rewrite.runtime.compat_attention_mask import _prepare_4d_attention_mask
-    from moe_rewrite.runtime.compat_attn_mask_converter import AttentionMaskConverter
-    from moe_rewrite.runtime.compat_sdpa_causal_mask import _prepare_4d_causal_attention_mask_for_sdpa
+    from moe_rewrite.runtime.compat.compat_attention_mask import _prepare_4d_attention_mask
+    from moe_rewrite.runtime.compat.compat_attn_mask_converter import AttentionMaskConverter
+    from moe_rewrite.runtime.compat.compat_sdpa_causal_mask import _prepare_4d_causal_attention_mask_for_sdpa
 
     theirs = utils.AttentionMaskConverter
     gen = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ as one block in front of the MoE class, and their MoE-class methods right after 
     # ---- moe-rewrite 0.4.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
     # Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
     _moe_rewrite_options = {...}
-    ...                                  # runtime/dispatch.py, route.py, ... (render.SECTIONS order)
+    ...                                  # dispatch, route, ...: the sections in runtime/__init__.py SECTION_LIST order
 
     class DeepseekV3MoE(nn.Module):
         def forward(self, hidden_states): ...

@@ -27,10 +27,10 @@ below keeps the old behaviour where the old API still exists and answers with th
     class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, GenerationMixin):
         _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # moe-rewrite: {tied: source} for 5.x
 
-The cache helpers are in runtime/compat_cache.py, the rope_scaling reader in runtime/compat_rope_scaling.py,
-the import fallbacks in the other runtime/compat_*.py. A name that is gone, used by the file and has no fallback here
-is refused. Every run first undoes these edits, so a run with --no-compat gives the file's coupling back as published
-and a second run changes nothing.
+The cache helpers are in runtime/compat/compat_cache.py, the rope_scaling reader in
+runtime/compat/compat_rope_scaling.py, the import fallbacks in the other runtime/compat/compat_*.py. A name that is
+gone, used by the file and has no fallback here is refused. Every run first undoes these edits, so a run with
+--no-compat gives the file's coupling back as published and a second run changes nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Choose the expert layout: fused experts (the default) or per-expert nn.Linear layers (--no-fuse-experts), and give
 the file's PreTrainedModel subclass the methods that go with it.
 
-Both layouts get runtime/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
+Both layouts get runtime/experts/expert_linears.py (per-expert weights and LoRA adapters as the core reads them),
 fused_views.py, fused_experts.py and fusing.py (the fused module and the fusing; --no-fuse-experts files can still
 fuse at run time)
 and fused_checkpoint.py (`save_pretrained` writes fused experts as the checkpoint's per-expert keys). The default adds

@@ -2,8 +2,8 @@
 
 The published V2/V3-form __init__ builds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep) under
 `if ... config.ep_size > 1:`, with the global rank as ep_rank, after asserting that ep_size is the world size. The
-generated runtime (runtime/expert_parallel.py) groups ranks in blocks of ep consecutive ranks, so the assert goes and
-ep_rank is the rank's place in its block::
+generated runtime (runtime/moe/expert_parallel.py) groups ranks in blocks of ep consecutive ranks, so the assert goes
+and ep_rank is the rank's place in its block::
 
     # Before
     if hasattr(config, "ep_size") and config.ep_size > 1:

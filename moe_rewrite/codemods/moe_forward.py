@@ -34,7 +34,7 @@ off the training loop (the tokens it indexes, the ids its flat ids view, the wei
 eval call's are checked against them in the shapes its moe_infer's body takes (moe_infer_body.FLAT_ARGUMENTS).
 
 All forms get the `moe_train` method and its module-level helpers (render.CORE_SECTIONS, put in by the block
-codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/parameter_lora.py),
+codemod). `moe_infer` is untouched; eval mode calls it through `moe_rewrite_infer` (runtime/experts/parameter_lora.py),
 which runs the grouped GEMMs instead only where moe_infer cannot index the experts (PEFT wrapped their parameters)::
 
     y = self.moe_rewrite_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)  # moe-rewrite: ...

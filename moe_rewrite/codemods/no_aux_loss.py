@@ -2,7 +2,7 @@
 
 The published gate returns no aux loss (None) in training when aux_loss_alpha is 0, which users set for fine-tuning,
 and the MoE forward's `AddAuxiliaryLoss.apply(y, aux_loss)` then fails on None (its forward starts with
-`assert loss.numel() == 1`). The call goes through runtime/no_aux_loss.py instead::
+`assert loss.numel() == 1`). The call goes through runtime/router/no_aux_loss.py instead::
 
     # Before
     y = AddAuxiliaryLoss.apply(y, aux_loss)

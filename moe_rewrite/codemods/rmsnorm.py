@@ -3,8 +3,8 @@
 The published RMSNorm (every DeepSeek copy, and transformers' own model) runs four fp32 passes per row, 33 times per
 Moonlight layer set. Where a class's forward is exactly that norm (proven statement by statement on the syntax tree,
 up to names of locals, formatting and comments) and its __init__ sets the weight and epsilon as published, the forward
-first asks whether the fused norm applies (CUDA, Triton; runtime/triton_rmsnorm.py) and returns it; the published
-body stays below it and runs everywhere else (the CPU, torch.compile, MOE_REWRITE_FUSED_NORM=0)::
+first asks whether the fused norm applies (CUDA, Triton; runtime/kernels/triton_rmsnorm.py) and returns it; the
+published body stays below it and runs everywhere else (the CPU, torch.compile, MOE_REWRITE_FUSED_NORM=0)::
 
     # Before
     def forward(self, hidden_states):

@@ -4,8 +4,8 @@ The published `apply_rotary_pos_emb` (every DeepSeek V2/V3 copy, VL2's language 
 position_ids, copies q and k into rotate_half's lane order (view, transpose, reshape: even lanes, then odd) and
 rotates them in four more passes. Where the module-level `rotate_half` and `apply_rotary_pos_emb` are exactly the
 published ones (proven statement by statement on the syntax tree, up to names of locals, formatting and comments), the
-function first asks whether the fused rotation applies (CUDA, Triton; runtime/triton_rope.py) and returns it; the
-published body stays below it and runs everywhere else (the CPU, torch.compile, MOE_REWRITE_FUSED_ROPE=0)::
+function first asks whether the fused rotation applies (CUDA, Triton; runtime/kernels/triton_rope.py) and returns it;
+the published body stays below it and runs everywhere else (the CPU, torch.compile, MOE_REWRITE_FUSED_ROPE=0)::
 
     # Before
     def apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=1):

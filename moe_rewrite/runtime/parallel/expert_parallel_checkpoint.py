@@ -5,7 +5,7 @@ Model.moe_rewrite_save_adapters. Always generated (with expert_parallel_model.py
 
 import torch
 
-from .expert_parallel import _moe_rewrite_ep_group
+from ..moe.expert_parallel import _moe_rewrite_ep_group
 from .expert_parallel_model import _moe_rewrite_ep_layers, _moe_rewrite_ep_size
 
 

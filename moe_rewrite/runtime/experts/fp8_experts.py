@@ -8,8 +8,8 @@ bf16 checkpoint (a few percent of V3's weights). Always generated.
 
 import torch
 
+from ..moe.grouped_linear import _moe_rewrite_dequantize
 from .expert_linears import _moe_rewrite_projections
-from .grouped_linear import _moe_rewrite_dequantize
 
 
 def _moe_rewrite_fp8_linear(module):

@@ -5,8 +5,7 @@ Always generated.
 
 import torch
 
-from .backends import _moe_rewrite_loop, _moe_rewrite_sonicmoe_experts
-from .dispatch import (
+from ..kernels.dispatch import (
     _moe_rewrite_compute_dtype,
     _moe_rewrite_gemm_by_triton,
     _moe_rewrite_hopper,
@@ -14,10 +13,10 @@ from .dispatch import (
     _moe_rewrite_options,
     _moe_rewrite_triton,
 )
+from .backends import _moe_rewrite_loop, _moe_rewrite_sonicmoe_experts
 from .expert_output import _moe_rewrite_is_silu, _MoeRewriteCombine, _MoeRewriteExpertOutput, _MoeRewriteSwiGLU
-from .expert_parallel import _moe_rewrite_expert_parallel, _moe_rewrite_run_experts
+from .expert_parallel import _moe_rewrite_expert_parallel, _moe_rewrite_fsdp2_unit, _moe_rewrite_run_experts
 from .grouped_linear import _moe_rewrite_linear, _MoeRewriteGather, _MoeRewriteGatherPlan
-from .parameter_lora import _moe_rewrite_fsdp2_unit
 from .route import _moe_rewrite_combine, _moe_rewrite_padding, _moe_rewrite_route, _moe_rewrite_unsort
 
 

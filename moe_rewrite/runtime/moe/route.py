@@ -4,9 +4,9 @@
 
 import torch
 
-from .triton_gather import _moe_rewrite_gather_rows
-from .triton_route import _moe_rewrite_route_rows
-from .triton_sum_rows import _moe_rewrite_sum_rows
+from ..kernels.triton_gather import _moe_rewrite_gather_rows
+from ..kernels.triton_route import _moe_rewrite_route_rows
+from ..kernels.triton_sum_rows import _moe_rewrite_sum_rows
 
 # torch._grouped_mm on sm90 takes its large tile (128 x 256) above 128 rows per expert on average, its small one
 # (64 x 128) up to 128: padding lifts the average to this many rows (_moe_rewrite_padding).

@@ -4,7 +4,7 @@ what the core would) and the per-expert loop (backend "loop", and experts the co
 
 import torch
 
-from .dispatch import _moe_rewrite_sonicmoe
+from ..kernels.dispatch import _moe_rewrite_sonicmoe
 from .expert_output import _moe_rewrite_is_silu
 from .grouped_linear import _MoeRewriteExpertWeight
 from .route import _moe_rewrite_combine

@@ -5,10 +5,10 @@ Always generated.
 
 import torch
 
+from ..moe.grouped_linear import _moe_rewrite_dequantize
+from ..parallel.expert_parallel_checkpoint import _moe_rewrite_gathered_state_dict
 from .expert_linears import MOE_REWRITE_PROJECTIONS
-from .expert_parallel_checkpoint import _moe_rewrite_gathered_state_dict
 from .fp8_experts import _moe_rewrite_model_dtype
-from .grouped_linear import _moe_rewrite_dequantize
 
 
 def _moe_rewrite_stack_experts(gate_w, up_w, down_w):

@@ -6,6 +6,8 @@ fuses them at run time).
 
 import torch
 
+from ..moe.expert_parallel import _moe_rewrite_unwrap
+from ..moe.grouped_linear import _MoeRewriteExpertMLP
 from .expert_linears import (
     _moe_rewrite_adapters,
     _moe_rewrite_experts_differ,
@@ -15,8 +17,6 @@ from .expert_linears import (
 )
 from .fused_experts import _MoeRewriteFusedExperts
 from .fusing import _moe_rewrite_warn_unfused
-from .grouped_linear import _MoeRewriteExpertMLP
-from .parameter_lora import _moe_rewrite_unwrap
 
 
 class MoE:

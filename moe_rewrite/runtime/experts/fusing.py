@@ -6,10 +6,11 @@ generated.
 
 import torch
 
+from ..moe.expert_parallel import _moe_rewrite_unwrap
 from .expert_linears import MOE_REWRITE_PROJECTIONS, _moe_rewrite_experts_differ, _moe_rewrite_linear_weights
 from .fp8_experts import _moe_rewrite_fp8_experts
 from .fused_experts import _MoeRewriteFusedExperts
-from .parameter_lora import _moe_rewrite_load_expert_lora, _moe_rewrite_unwrap
+from .parameter_lora import _moe_rewrite_load_expert_lora
 
 
 def _moe_rewrite_warn_unfused(reason=None):

@@ -7,7 +7,7 @@ core instead.
 import torch
 
 # _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
-from .dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
+from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
 
 # (device, dtype, q/k head dim, v head dim) -> "math", "cudnn", "flash_padded" or "sdpa"
 _moe_rewrite_attention_cache = {}

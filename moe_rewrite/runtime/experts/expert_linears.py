@@ -4,7 +4,7 @@ the LoRA adapters that PEFT puts on expert projections in either layout. Always 
 
 import torch
 
-from .dispatch import _moe_rewrite_setting
+from ..kernels.dispatch import _moe_rewrite_setting
 
 # The experts' gate, up and down projections' names: moe-rewrite writes the file's own here (Kimi's experts name them
 # w1, w3, w2), read from the expert MLP's forward. The LoRA adapters and fused parameters keep these roles' names.

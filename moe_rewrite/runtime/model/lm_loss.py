@@ -11,8 +11,8 @@ the published statements (which return the logits).
 import torch
 
 # _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
-from .dispatch import _moe_rewrite_options, _moe_rewrite_setting, _moe_rewrite_triton  # noqa: F401
-from .triton_cross_entropy import _moe_rewrite_cross_entropy_kernels, _moe_rewrite_cross_entropy_rows
+from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting, _moe_rewrite_triton  # noqa: F401
+from ..kernels.triton_cross_entropy import _moe_rewrite_cross_entropy_kernels, _moe_rewrite_cross_entropy_rows
 
 # The logits of one chunk take at most this many bytes: 2048 tokens at vocabulary 163840 in bf16 (0.67 GB)
 MOE_REWRITE_LOSS_CHUNK_BYTES = 2048 * 163840 * 2

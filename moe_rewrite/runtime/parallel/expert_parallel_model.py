@@ -12,8 +12,7 @@ expert_parallel_checkpoint.py). Always generated.
 
 import torch
 
-from .expert_parallel import _moe_rewrite_ep_groups
-from .parameter_lora import _moe_rewrite_unwrap
+from ..moe.expert_parallel import _moe_rewrite_ep_groups, _moe_rewrite_unwrap
 
 
 def _moe_rewrite_moe_layers(model):

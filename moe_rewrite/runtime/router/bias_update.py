@@ -4,7 +4,7 @@
 
 import torch
 
-from .dispatch import _moe_rewrite_options
+from ..kernels.dispatch import _moe_rewrite_options
 
 
 class MoE:

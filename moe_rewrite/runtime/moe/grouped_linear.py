@@ -12,9 +12,14 @@ block-quantized experts (DeepSeek-V3's checkpoints as shipped), expert_linears.p
 
 import torch
 
-from .dispatch import _moe_rewrite_gemm_by_triton, _moe_rewrite_grouped_gemm, _moe_rewrite_setting, _moe_rewrite_triton
+from ..kernels.dispatch import (
+    _moe_rewrite_gemm_by_triton,
+    _moe_rewrite_grouped_gemm,
+    _moe_rewrite_setting,
+    _moe_rewrite_triton,
+)
+from ..kernels.triton_gemm import _moe_rewrite_gemm_fits, _moe_rewrite_grouped_mm
 from .route import _moe_rewrite_gather, _moe_rewrite_token_sums, _MoeRewriteRoute
-from .triton_gemm import _moe_rewrite_gemm_fits, _moe_rewrite_grouped_mm
 
 
 def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):

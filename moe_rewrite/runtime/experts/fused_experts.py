@@ -5,8 +5,15 @@ them, checkpoint keys are converted by fused_checkpoint.py.
 
 import torch
 
-from .backends import _moe_rewrite_loop
-from .dispatch import _moe_rewrite_compute_dtype, _moe_rewrite_kernel
+from ..kernels.dispatch import _moe_rewrite_compute_dtype, _moe_rewrite_kernel
+from ..moe.backends import _moe_rewrite_loop
+from ..moe.grouped_linear import (
+    _moe_rewrite_dequantize,
+    _MoeRewriteExpertMLP,
+    _MoeRewriteExpertWeight,
+    _MoeRewriteFP8ExpertWeight,
+)
+from ..moe.moe_train import _moe_rewrite_grouped_experts
 from .expert_linears import (
     MOE_REWRITE_PROJECTIONS,
     _moe_rewrite_adapters,
@@ -14,13 +21,6 @@ from .expert_linears import (
 )
 from .fused_checkpoint import _moe_rewrite_merge_experts, _moe_rewrite_stack_experts
 from .fused_views import _MoeRewriteExpertProjection, _MoeRewriteFusedExpert, _MoeRewriteMadeViews
-from .grouped_linear import (
-    _moe_rewrite_dequantize,
-    _MoeRewriteExpertMLP,
-    _MoeRewriteExpertWeight,
-    _MoeRewriteFP8ExpertWeight,
-)
-from .moe_train import _moe_rewrite_grouped_experts
 from .parameter_lora import _moe_rewrite_parameter_adapters
 
 

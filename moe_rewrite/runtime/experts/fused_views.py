@@ -6,9 +6,9 @@ step. Always generated (with fused_experts.py).
 
 import torch
 
+from ..moe.grouped_linear import _moe_rewrite_dequantize
 from .expert_linears import MOE_REWRITE_PROJECTIONS
 from .fp8_experts import _MoeRewriteDequantized
-from .grouped_linear import _moe_rewrite_dequantize
 
 
 class _MoeRewriteMadeViews:

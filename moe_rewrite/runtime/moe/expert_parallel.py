@@ -13,14 +13,17 @@ grouped-GEMM core with unit weights (the fused experts' moe_rewrite_run, where F
 outputs come back, and the sending rank weights and sums them as the published moe_infer does: expert outputs in x's
 dtype, weighted in the routing weights' dtype, summed, then cast. The router's gradient stays on the sending rank; a
 rank that receives no row still runs both exchanges in backward.
+
+Here too, as the core reads them on every step: the experts module under PEFT's ParamWrappers (_moe_rewrite_unwrap,
+used by parameter_lora.py and the layouts above) and whether FSDP2 shards it as a unit of its own
+(_moe_rewrite_fsdp2_unit).
 """
 
 import torch
 
-from .dispatch import _moe_rewrite_triton
+from ..kernels.dispatch import _moe_rewrite_triton
 from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
-from .parameter_lora import _moe_rewrite_fsdp2_unit, _moe_rewrite_unwrap
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
 
 _moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
@@ -83,6 +86,24 @@ class _MoeRewriteAllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         torch.distributed.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
+
+
+def _moe_rewrite_unwrap(experts):
+    """(the module under PEFT's ParamWrappers, [the wrappers, outermost first]): `experts` and [] when not wrapped.
+
+    PEFT nests one ParamWrapper per targeted parameter, each holding the next as base_layer; a wrapper is recognised by
+    its base_layer submodule and its parameter_name (read from the module's own dicts: this runs on every step)."""
+    wrappers = []
+    while "base_layer" in experts._modules and isinstance(experts.__dict__.get("parameter_name"), str):
+        wrappers.append(experts)
+        experts = experts._modules["base_layer"]
+    return experts, wrappers
+
+
+def _moe_rewrite_fsdp2_unit(experts):
+    """Whether FSDP2 shards the experts module as a unit of its own (moe_rewrite_fully_shard): fully_shard gives its
+    class unshard(), and its parameters are gathered only around its forward or registered methods."""
+    return callable(getattr(type(experts), "unshard", None))
 
 
 def _moe_rewrite_run_experts(moe, x, topk_ids, topk_weight, out_dtype):

@@ -7,26 +7,9 @@ GEMMs of its rank, as it reads the per-expert ones (expert_linears.py). Always g
 
 import torch
 
+from ..moe.expert_parallel import _moe_rewrite_fsdp2_unit, _moe_rewrite_unwrap
+from ..moe.grouped_linear import _MoeRewriteExpertWeight
 from .expert_linears import MOE_REWRITE_PROJECTIONS
-from .grouped_linear import _MoeRewriteExpertWeight
-
-
-def _moe_rewrite_unwrap(experts):
-    """(the module under PEFT's ParamWrappers, [the wrappers, outermost first]): `experts` and [] when not wrapped.
-
-    PEFT nests one ParamWrapper per targeted parameter, each holding the next as base_layer; a wrapper is recognised by
-    its base_layer submodule and its parameter_name (read from the module's own dicts: this runs on every step)."""
-    wrappers = []
-    while "base_layer" in experts._modules and isinstance(experts.__dict__.get("parameter_name"), str):
-        wrappers.append(experts)
-        experts = experts._modules["base_layer"]
-    return experts, wrappers
-
-
-def _moe_rewrite_fsdp2_unit(experts):
-    """Whether FSDP2 shards the experts module as a unit of its own (moe_rewrite_fully_shard): fully_shard gives its
-    class unshard(), and its parameters are gathered only around its forward or registered methods."""
-    return callable(getattr(type(experts), "unshard", None))
 
 
 def _moe_rewrite_parameter_lora(wrapper):

@@ -6,7 +6,9 @@ generated.
 
 import torch
 
-from .dispatch import _moe_rewrite_triton
+from ..kernels.dispatch import _moe_rewrite_triton
+from ..kernels.triton_sum_rows import _moe_rewrite_sum_rows, _moe_rewrite_sum_rows_backward
+from ..kernels.triton_swiglu import _moe_rewrite_swiglu, _moe_rewrite_swiglu_backward
 from .grouped_linear import _moe_rewrite_gmm, _moe_rewrite_kept
 from .route import (
     _moe_rewrite_combine,
@@ -15,8 +17,6 @@ from .route import (
     _moe_rewrite_unsort,
     _MoeRewriteRoute,
 )
-from .triton_sum_rows import _moe_rewrite_sum_rows, _moe_rewrite_sum_rows_backward
-from .triton_swiglu import _moe_rewrite_swiglu, _moe_rewrite_swiglu_backward
 
 
 def _moe_rewrite_is_silu(act_fn):
