@@ -29,6 +29,7 @@ SECTIONS = {entry.name: entry.does for entry in SECTION_LIST if not entry.fallba
 # The core's sections: moe_train and everything it calls, which every rewritten MoE layer needs
 CORE_SECTIONS = frozenset(entry.name for entry in SECTION_LIST if entry.core)
 PACKAGE_OF = {entry.name: entry.package for entry in SECTION_LIST}  # section -> its package under runtime/
+FEATURE_OF = {entry.name: entry.feature for entry in SECTION_LIST}  # section -> the feature it serves (FEATURES)
 # What a section may import at module level, since the import is not copied: the names every file moe-rewrite rewrites
 # binds (`import torch`; the DeepSeek files bind more, the smallest forms it accepts only torch), and the other
 # sections (`from .route import ...`, `from ..kernels.dispatch import ...`), whose code the block holds. Anything else
@@ -38,6 +39,13 @@ OPTIONS_NAME = "_moe_rewrite_options"  # dispatch.py's options dict, filled with
 # expert_linears.py's (gate, up, down) projection names, filled with the file's experts' own (Kimi's w1, w3, w2)
 PROJECTIONS_NAME = "MOE_REWRITE_PROJECTIONS"
 PLACEHOLDERS = ("MoE", "Model")
+# Code generated only where the model can use it. A section's Entry.feature, or a comment line right above a statement
+# (at any depth) `# generated with: FEATURE` / `# generated without: FEATURE`, ties it to a feature the options turn on
+# (features()); elsewhere it is left out of the rewritten file (the runtime modules themselves hold all of it).
+FEATURES = ("fp8-experts", "expert-parallel")
+FEATURE_TAGS = {
+    f"# generated {how}: {feature}": (how == "with", feature) for feature in FEATURES for how in ("with", "without")
+}
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,48 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
     ]
 
 
+def features(options: RewriteOptions) -> frozenset[str]:
+    """The features whose code a rewrite with these (decided) options generates: FP8 experts where asked
+    (fp8_experts), expert parallelism wherever the experts fuse (it is refused with --no-fuse-experts)."""
+    on = {"fp8-experts"} if options.fp8_experts else set()
+    if options.fuse_experts is not False:
+        on.add("expert-parallel")
+    return frozenset(on)
+
+
+def generated(name: str, options: RewriteOptions) -> bool:
+    """Whether section `name` is generated with these options (its feature, if it has one, is on)."""
+    feature = FEATURE_OF[name]
+    return feature is None or feature in features(options)
+
+
+def _feature_tag(stmt: cst.CSTNode) -> tuple[bool, str] | None:
+    """(with, feature) of the statement's `# generated with(out): FEATURE` line, or None."""
+    for line in getattr(stmt, "leading_lines", ()):
+        if line.comment is not None and line.comment.value in FEATURE_TAGS:
+            return FEATURE_TAGS[line.comment.value]
+    return None
+
+
+class _FeatureFilter(cst.CSTTransformer):
+    """Drops the statements tagged for a feature that is off (or, `without`, on) from every block."""
+
+    def __init__(self, name: str, on: frozenset[str]):
+        self.name, self.on = name, on
+
+    def kept(self, body):
+        kept = [s for s in body if (tag := _feature_tag(s)) is None or (tag[1] in self.on) == tag[0]]
+        if body and not kept:
+            raise ValueError(f"{section_path(self.name)}: a block holds only statements of a feature that is off")
+        return kept
+
+    def leave_IndentedBlock(self, original_node, updated_node):
+        return updated_node.with_changes(body=self.kept(updated_node.body))
+
+    def leave_Module(self, original_node, updated_node):
+        return updated_node.with_changes(body=self.kept(updated_node.body))
+
+
 def render_section(
     name: str,
     module: cst.Module,
@@ -108,9 +158,12 @@ def render_section(
     projections: tuple[str, str, str] | None = None,
 ) -> Section:
     """Section `name` parsed with the target module's newline and indentation; with `options`, dispatch's options dict
-    holds them; with `projections`, MOE_REWRITE_PROJECTIONS names the file's expert projections."""
+    holds them and the statements of features they leave off are left out (FEATURES); with `projections`,
+    MOE_REWRITE_PROJECTIONS names the file's expert projections."""
     text = load_section(name).replace("\n", module.default_newline)
     parsed = cst.parse_module(text, config=module.config_for_parsing)
+    if options is not None and any(tag in text for tag in FEATURE_TAGS):
+        parsed = parsed.visit(_FeatureFilter(name, features(options)))
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
     for stmt in parsed.body:
         if _is_header(stmt):

@@ -70,6 +70,7 @@ def test_fixture_pair(source: Path):
 OPTION_CASES = {
     "defaults": (),
     "no-fuse-experts": ("--no-fuse-experts",),
+    "fp8-experts": ("--fp8-experts",),
     "aux-loss": ("--aux-loss",),
     "bias-update": ("--bias-update", "0.001"),
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
@@ -105,6 +106,8 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
             values[flags[flag]] = False
         elif flag == "--aux-loss":
             values["aux_loss"] = True
+        elif flag == "--fp8-experts":
+            values["fp8_experts"] = True
         elif flag == "--bias-update":
             values["bias_update"] = float(rest.pop(0))
         else:
@@ -122,7 +125,7 @@ def test_fixture_under_options(fixture: str, case: str):
     options = _options(OPTION_CASES[case])
     result = rewrite_source(text, options)
     assert rewrite_source(result.text, options).text == result.text
-    assert not_from_sections(result.text, options) == []
+    assert not_from_sections(result.text, result.options) == []
     assert _undefined_names(result.text) == ""
     _golden(
         PAIRS / "fixtures" / f"{fixture}-{case}.diff",

@@ -6,6 +6,7 @@ FP8 stand-in checkpoint through transformers' own FP8 quantizer) is further down
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -212,7 +213,7 @@ def test_fp8_experts_that_cannot_be_fused_with_their_scales_are_refused(edit, re
 @pytest.fixture(scope="module")
 def fp8_model_files(tmp_path_factory):
     """(the FP8 stand-in checkpoint of the default rewrite, the rewrite's directory), written once."""
-    code = patched_checkpoint(tmp_path_factory, "v3")
+    code = patched_checkpoint(tmp_path_factory, "v3", "--fp8-experts")
     return fp8_standin(tmp_path_factory, code)[1], code
 
 
@@ -264,6 +265,19 @@ def test_an_fp8_checkpoint_loads_with_fp8_experts_and_real_numbers_elsewhere(mon
     # no longer a quantized model: Trainer trains it, save_pretrained writes no quantization_config
     assert not model.is_quantized and model.hf_quantizer is None
     assert not hasattr(model.config, "quantization_config")
+
+
+def test_a_rewrite_without_fp8_experts_refuses_an_fp8_checkpoint(monkeypatch, fp8_model_files, tmp_path_factory):
+    """The FP8 stand-in with a rewrite that holds no FP8 code (rewritten from a config without FP8): one clear
+    error before anything loads, naming the option that generates it."""
+    directory, _ = fp8_model_files
+    plain = patched_checkpoint(tmp_path_factory, "v3")
+    checkpoint = tmp_path_factory.mktemp("fp8") / "fp8_plain_code"
+    shutil.copytree(directory, checkpoint)
+    shutil.copyfile(plain / "modeling_deepseek.py", checkpoint / "modeling_deepseek.py")
+    assert "_moe_rewrite_fp8_loading" not in (checkpoint / "modeling_deepseek.py").read_text()
+    with pytest.raises(ValueError, match="rewritten without FP8 experts: .* or with --fp8-experts"):
+        load_fp8(monkeypatch, checkpoint)
 
 
 def test_an_fp8_model_trains_evaluates_and_saves_like_its_dequantized_reference(monkeypatch, fp8_model_files, tmp_path):

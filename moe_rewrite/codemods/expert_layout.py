@@ -18,6 +18,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods import Context, Field, is_generated_method, marked, replace
+from moe_rewrite.render import generated
 
 READS: tuple[Field, ...] = ("projections",)
 PROVIDES: tuple[Field, ...] = ()
@@ -41,7 +42,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         for s in module.body
         if isinstance(s, cst.ClassDef) and any(m.matches(b.value, PRETRAINED_BASE) for b in s.bases)
     ]
-    fused = _methods([*SHARED, "fused_loading"], module, context)
+    fused = _methods([name for name in [*SHARED, "fused_loading"] if generated(name, context.options)], module, context)
     if len(classes) > 1:
         context.need_per_expert_layers(
             f"fused-experts loading needs one PreTrainedModel subclass, found {len(classes)}"
@@ -52,6 +53,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             "fused experts"
         )
     layout = [*SHARED, "fused_loading" if context.options.fuse_experts is not False else "per_expert"]
+    layout = [name for name in layout if generated(name, context.options)]  # e.g. fp8_experts only where asked
     context.sections |= set(layout)
     methods = _methods(layout, module, context)
     for cls in classes:  # earlier generated methods go everywhere; new ones only into a single base class

@@ -36,6 +36,7 @@ class Entry(NamedTuple):
     does: str  # one sentence
     core: bool = False  # every rewritten MoE layer gets it (render.CORE_SECTIONS)
     fallback: bool = False  # an import fallback: compat.py puts it where the file's import fails, not in the block
+    feature: str | None = None  # generated only with this feature (render.FEATURES), e.g. "fp8-experts"
 
 
 SECTION_LIST = (
@@ -106,6 +107,7 @@ SECTION_LIST = (
         "fp8_experts",
         "experts",
         "FP8 block-quantized checkpoints: FP8Linear layers found, the others dequantized on loading",
+        feature="fp8-experts",
     ),
     Entry(
         "fused_views",

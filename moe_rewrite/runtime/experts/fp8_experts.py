@@ -3,7 +3,8 @@ weight_block_size [128, 128]): transformers' FP8 quantizer loads each nn.Linear 
 float8_e4m3fn codes and weight_scale_inv, the scale of each 128 x 128 block. The routed experts are fused with their
 codes and scales and stay FP8 and frozen (fused_experts.py; the grouped GEMMs read them, grouped_linear.py); every
 other FP8 layer becomes an nn.Linear holding its dequantized weight, which trains and takes PEFT's adapters as in a
-bf16 checkpoint (a few percent of V3's weights). Always generated.
+bf16 checkpoint (a few percent of V3's weights). Generated where the checkpoint's config asks for FP8, or with
+--fp8-experts; elsewhere from_pretrained refuses FP8 checkpoints (fused_loading.py).
 """
 
 import torch
@@ -74,29 +75,15 @@ class _MoeRewriteDequantized(torch.Tensor):
         )
 
 
-def _moe_rewrite_fp8_checkpoint(config):
-    """Whether `config` describes an FP8 checkpoint (quantization_config with quant_method "fp8": a dict as the
-    checkpoint's configuration file holds it, or transformers' config object)."""
-    settings = getattr(config, "quantization_config", None)
-    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
-    return method == "fp8"  # transformers' QuantizationMethod is a str enum
-
-
-def _moe_rewrite_fp8_loading(cls, path, kwargs):
-    """from_pretrained's keyword arguments for an FP8 checkpoint on transformers 5.x, whose FP8 quantizer replaces
-    every module named `experts` by its own FP8Experts, which cannot load or run this file's experts: unless the user
-    passes a quantization_config, the checkpoint's is passed with the routed experts' ModuleList left as it is (each
-    projection in it becomes an FP8Linear, as on 4.x, which fused_experts.py fuses). A user's modules_to_not_convert
-    replaces transformers' default, so lm_head is named too."""
+def _moe_rewrite_fp8_loading(config, kwargs):
+    """from_pretrained's keyword arguments for the FP8 checkpoint of `config` on transformers 5.x, whose FP8 quantizer
+    replaces every module named `experts` by its own FP8Experts, which cannot load or run this file's experts: unless
+    the user passes a quantization_config, the checkpoint's is passed with the routed experts' ModuleList left as it
+    is (each projection in it becomes an FP8Linear, as on 4.x, which fused_experts.py fuses). A user's
+    modules_to_not_convert replaces transformers' default, so lm_head is named too."""
     import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5 or "quantization_config" in kwargs:
-        return kwargs
-    config = kwargs.get("config")
-    if not isinstance(config, transformers.PretrainedConfig):
-        hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
-        config = cls.config_class.from_pretrained(path, **{k: kwargs[k] for k in hub if k in kwargs})
-    if not _moe_rewrite_fp8_checkpoint(config):
         return kwargs
     settings = config.quantization_config
     settings = dict(settings) if isinstance(settings, dict) else settings.to_dict()
@@ -124,9 +111,7 @@ def _moe_rewrite_dequantize_fp8_layers(model):
     is left the model is no longer marked quantized: Trainer refuses to train a model quantized by a method that
     cannot train (transformers 4.x says so of FP8), and save_pretrained writes a checkpoint of real numbers
     (fused_checkpoint.py), which a quantization_config would misdescribe. Returns the number of layers converted;
-    nothing is looked at unless the model's config describes an FP8 checkpoint (every from_pretrained calls this)."""
-    if not _moe_rewrite_fp8_checkpoint(model.config):
-        return 0
+    from_pretrained calls it where the model's config describes an FP8 checkpoint."""
     dtype = _moe_rewrite_model_dtype(model)
     converted = 0
     for module in list(model.modules()):

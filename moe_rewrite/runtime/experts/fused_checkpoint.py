@@ -32,6 +32,7 @@ def _moe_rewrite_merge_experts(module, state_dict, prefix, local_metadata, stric
     some are reported missing. FP8 experts take the checkpoint's FP8 codes (weight) and block scales
     (weight_scale_inv) of each projection."""
     fields = [("weight", ("gate_up_proj", "down_proj"))]  # (the checkpoint key's last name, the fused parameters)
+    # generated with: fp8-experts
     if module.moe_rewrite_fp8():
         fields.append(("weight_scale_inv", ("gate_up_proj_scale_inv", "down_proj_scale_inv")))
     for key_suffix, names in fields:
@@ -55,6 +56,7 @@ def _moe_rewrite_merge_field(module, state_dict, prefix, missing_keys, key_suffi
         dtypes = {state_dict[key].dtype for _, _, key in found}
         scaled = any(f"{key}_scale_inv" in state_dict for _, _, key in found)  # {i}.{projection}.weight_scale_inv
         codes = torch.float8_e4m3fn in dtypes or scaled
+        # generated with: fp8-experts
         if module.moe_rewrite_fp8() and dtypes != {gate_up.dtype}:
             raise RuntimeError(
                 f"moe-rewrite: {found[0][2]} is {dtypes.pop()}, and these experts hold FP8 block-quantized codes: "
@@ -105,7 +107,9 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
     fused = {prefix for prefix in fused if prefix + "down_proj" in state_dict}
     if own and not fused:
         return None
+    # generated with: fp8-experts
     fp8 = {prefix for prefix in fused if prefix + "gate_up_proj_scale_inv" in state_dict}
+    # generated with: fp8-experts
     if fp8:
         import warnings
 
@@ -114,7 +118,7 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
             "checkpoint), as the rest of the model is",
             stacklevel=3,
         )
-    dtype = _moe_rewrite_model_dtype(model) if fp8 else None
+        dtype = _moe_rewrite_model_dtype(model)
     unfused = {}
     for key, value in state_dict.items():
         prefix, _, name = key.rpartition(".")
@@ -128,6 +132,7 @@ def _moe_rewrite_unfuse_state_dict(state_dict, model):
         value, inter = value.detach(), down.shape[2]
         for i in range(value.shape[0]):  # copies: slices of one buffer would be taken for tied weights
             gate_up_i, down_i = value[i], down[i]
+            # generated with: fp8-experts
             if prefix in fp8:
                 gate_up_i = _moe_rewrite_dequantize(gate_up_i, state_dict[prefix + "gate_up_proj_scale_inv"][i], dtype)
                 down_i = _moe_rewrite_dequantize(down_i, state_dict[prefix + "down_proj_scale_inv"][i], dtype)

@@ -54,6 +54,7 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         trainable = gate_w[0].requires_grad and scales is None
         self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=trainable)
         self.down_proj = torch.nn.Parameter(down, requires_grad=trainable)
+        # generated with: fp8-experts
         if scales is not None:
             gate_up_scale, down_scale = _moe_rewrite_stack_experts(*scales)
             # float32, as checkpoints hold them (transformers 4.x loads them in the model's dtype)
@@ -89,6 +90,7 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         """Whether the experts hold FP8 block-quantized weights (codes and scales)."""
         return "gate_up_proj_scale_inv" in self._parameters
 
+    # generated with: fp8-experts
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (.to(), .cuda(), .bfloat16(), ...): FP8 experts' codes and scales are moved, never cast (a
         cast would double their memory and round the scales); the views then dequantize to the dtype asked for."""
@@ -105,6 +107,7 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
                 param.data = data.to(param.device)
         return result
 
+    # generated with: fp8-experts
     def moe_rewrite_dequantize(self):
         """FP8 experts become bf16 (the model's dtype) experts, trainable: twice the memory; LoRA adapters can then be
         merged into them. Nothing happens to experts that are not FP8."""
@@ -139,6 +142,7 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
         weights = None if kernel == "loop" or parametrized else self.moe_rewrite_weights(wrappers)
         if weights is not None:
             return _moe_rewrite_grouped_experts(x, topk_ids, topk_weight, weights, len(self), kernel, dtype, out_dtype)
+        # generated with: fp8-experts
         if (wrappers or parametrized) and self.moe_rewrite_fp8():
             raise RuntimeError(
                 "moe-rewrite: PEFT's own forward over FP8 block-quantized experts adds its adapters to the FP8 codes, "
@@ -172,11 +176,11 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
             return None
         for name, loras in fused_adapters.items():
             adapters[name] = adapters.get(name, ()) + loras
+        gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
+        # generated with: fp8-experts
         if self.moe_rewrite_fp8():
             gate_up = _MoeRewriteFP8ExpertWeight(self.gate_up_proj, self.gate_up_proj_scale_inv)
             down = _MoeRewriteFP8ExpertWeight(self.down_proj, self.down_proj_scale_inv)
-        else:
-            gate_up, down = _MoeRewriteExpertWeight(self.gate_up_proj), _MoeRewriteExpertWeight(self.down_proj)
         return _MoeRewriteExpertMLP(gate_up, down, self.act_fn, adapters)
 
     def _moe_rewrite_own_projections(self):

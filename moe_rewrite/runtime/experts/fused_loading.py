@@ -4,7 +4,7 @@ ForCausalLM, ...) comes out of from_pretrained and from_config with each MoE lay
 
 import torch
 
-from .fp8_experts import _moe_rewrite_dequantize_fp8_layers, _moe_rewrite_fp8_checkpoint, _moe_rewrite_fp8_loading
+from .fp8_experts import _moe_rewrite_dequantize_fp8_layers, _moe_rewrite_fp8_loading
 
 
 def _moe_rewrite_fuse_model(model, loading=False):
@@ -29,6 +29,25 @@ def _moe_rewrite_fuse_model(model, loading=False):
     if kept:
         warnings.warn(f"moe-rewrite: {len(kept)} MoE layers keep per-expert weights ({kept[0]})", stacklevel=2)
     return model
+
+
+def _moe_rewrite_fp8_checkpoint(config):
+    """Whether `config` describes an FP8 checkpoint (quantization_config with quant_method "fp8": a dict as the
+    checkpoint's configuration file holds it, or transformers' config object)."""
+    settings = getattr(config, "quantization_config", None)
+    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
+    return method == "fp8"  # transformers' QuantizationMethod is a str enum
+
+
+def _moe_rewrite_loading_config(cls, path, kwargs):
+    """The config from_pretrained(path, **kwargs) loads with: the one passed, else the checkpoint's."""
+    import transformers
+
+    config = kwargs.get("config")
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+    return cls.config_class.from_pretrained(path, **{k: kwargs[k] for k in hub if k in kwargs})
 
 
 def _moe_rewrite_loader_fuses_experts(config):
@@ -73,7 +92,15 @@ class Model:
         layers are dequantized (fp8_experts.py)."""
         wants_info = kwargs.get("output_loading_info", False)
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        kwargs = _moe_rewrite_fp8_loading(cls, path, kwargs)
+        config = _moe_rewrite_loading_config(cls, path, kwargs)
+        if _moe_rewrite_fp8_checkpoint(config):
+            # generated with: fp8-experts
+            kwargs = _moe_rewrite_fp8_loading(config, kwargs)
+            # generated without: fp8-experts
+            raise ValueError(
+                "moe-rewrite: this checkpoint is FP8 block-quantized (its config's quantization_config), and this file "
+                "was rewritten without FP8 experts: rewrite it from the checkpoint's config.json, or with --fp8-experts"
+            )
         model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
         unexpected = info.get("unexpected_keys", ())
         fused_keys = [k for k in unexpected if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
@@ -87,7 +114,8 @@ class Model:
         _moe_rewrite_fuse_model(model)
         # an FP8 checkpoint: the layers other than the fused experts as real numbers (those that could not be fused
         # with their FP8 weights too, which then fuse as such)
-        if _moe_rewrite_dequantize_fp8_layers(model):
+        # generated with: fp8-experts
+        if _moe_rewrite_fp8_checkpoint(model.config) and _moe_rewrite_dequantize_fp8_layers(model):
             _moe_rewrite_fuse_model(model)
         return (model, info) if wants_info else model
 

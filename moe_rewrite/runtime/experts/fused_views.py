@@ -65,12 +65,12 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
     @property
     def weight(self):
         experts = self._moe_rewrite_experts
-        if not experts.moe_rewrite_fp8():
-            return self.codes()
-        # FP8 experts: the codes times their blocks' scales, a copy that refuses merges (_MoeRewriteDequantized)
-        if self.rows is None:
-            scale = experts.down_proj_scale_inv[self.index]
-        else:
-            scale = experts.gate_up_proj_scale_inv[self.index, self.rows.start // 128 : self.rows.stop // 128]
-        real = _moe_rewrite_dequantize(self.codes(), scale, experts.dequantized_dtype)
-        return torch.Tensor._make_subclass(_MoeRewriteDequantized, real)
+        # generated with: fp8-experts
+        if experts.moe_rewrite_fp8():  # the codes times their blocks' scales, a copy that refuses merges
+            if self.rows is None:
+                scale = experts.down_proj_scale_inv[self.index]
+            else:
+                scale = experts.gate_up_proj_scale_inv[self.index, self.rows.start // 128 : self.rows.stop // 128]
+            real = _moe_rewrite_dequantize(self.codes(), scale, experts.dequantized_dtype)
+            return torch.Tensor._make_subclass(_MoeRewriteDequantized, real)
+        return self.codes()

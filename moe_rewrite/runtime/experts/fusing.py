@@ -85,8 +85,9 @@ class MoE:
         reason = _moe_rewrite_experts_differ(experts)
         if reason is not None:
             raise RuntimeError(f"moe-rewrite: these experts cannot be fused: {reason}")
-        # FP8 block-quantized projections (transformers' FP8Linear) fuse with their block scales
-        try:
+        fp8 = None
+        # generated with: fp8-experts
+        try:  # FP8 block-quantized projections (transformers' FP8Linear) fuse with their block scales
             fp8 = _moe_rewrite_fp8_experts(experts)
         except RuntimeError as error:
             raise RuntimeError(f"moe-rewrite: these experts cannot be fused: {error}") from None

@@ -32,6 +32,7 @@ def _moe_rewrite_parameter_lora(wrapper):
     if len(names) != 1 or not hasattr(wrapper, "get_delta_factors") or type(dropout) is not torch.nn.Identity:
         return None
     lhs, rhs, scaling = wrapper.get_delta_factors(names[0])  # delta = scaling * lhs @ rhs: (E, out, r) @ (E, r, in)
+    # generated with: fp8-experts
     if lhs.dtype == torch.float8_e4m3fn:  # cast to the parameter's dtype: FP8 experts' codes', which round them
         lhs, rhs = _moe_rewrite_delta_factors(wrapper, names[0])
     # torch._grouped_mm reads each expert's matrix with unit stride in one of its dims; PEFT's lora_B view has the
@@ -39,6 +40,7 @@ def _moe_rewrite_parameter_lora(wrapper):
     return ((_MoeRewriteExpertWeight(rhs.contiguous()), _MoeRewriteExpertWeight(lhs.contiguous()), scaling, dropout),)
 
 
+# generated with: fp8-experts
 def _moe_rewrite_delta_factors(wrapper, name):
     """PEFT's get_delta_factors(name) before it casts them to the parameter's dtype (FP8 experts' float8 codes): lora_A
     (r * E, in) read as (E, r, in), lora_B (out, r * E) as (E, out, r), in the order PEFT multiplies them (swapped

@@ -69,6 +69,7 @@ def _moe_rewrite_ep_group(moe):
     return group if group is not None else _moe_rewrite_ep_groups(moe.ep_size)[0]
 
 
+# generated with: expert-parallel
 class _MoeRewriteAllToAll(torch.autograd.Function):
     """torch.distributed.all_to_all_single with autograd: rows x, `in_splits` of them to each rank of `group`,
     `out_splits` received from each; backward sends the gradients back the same way reversed."""
@@ -116,6 +117,7 @@ def _moe_rewrite_run_experts(moe, x, topk_ids, topk_weight, out_dtype):
     return run(x, topk_ids, topk_weight, out_dtype, wrappers)
 
 
+# generated with: expert-parallel
 def _moe_rewrite_expert_parallel(moe, x, topk_ids, topk_weight, out_dtype):
     """The routed experts' weighted outputs for this rank's tokens x (tokens, hidden), with topk_ids (global expert
     ids) and topk_weight (tokens, top_k), the experts spread over the layer's expert-parallel group (module

@@ -29,10 +29,11 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     mode "dgrad": a (rows, out), b (E, out, in) -> (rows, in)
     mode "wgrad": a (rows, out), b (rows, in)   -> (E, out, in), per expert a_e^T @ b_e (zero for empty experts)
 
-    `scale`: b holds FP8 codes and this its 128 x 128 block scales (_MoeRewriteFP8ExpertWeight): the Triton kernel
+    `scale`: b holds FP8 codes and this its 128 x 128 block scales (FP8 experts' weight source): the Triton kernel
     reads b as it is and multiplies each tile by its scales where it runs (CUDA sm89+, bf16 or fp16 rows),
     else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`.
     """
+    # generated with: fp8-experts
     if scale is not None:
         kernels = _moe_rewrite_triton(a.device, a.dtype)
         n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
@@ -90,6 +91,7 @@ class _MoeRewriteExpertWeight:
         return (compute().to(self.weight.dtype),)
 
 
+# generated with: fp8-experts
 def _moe_rewrite_dequantize(weight, scale, dtype, block=128):
     """FP8 block-quantized weights as real numbers: `weight` (..., out, in) holds the codes (float8_e4m3fn, or any
     dtype holding them exactly), `scale` (..., ceil(out / block), ceil(in / block)) each block's scale (the
@@ -112,6 +114,7 @@ def _moe_rewrite_dequantize(weight, scale, dtype, block=128):
     return result
 
 
+# generated with: fp8-experts
 class _MoeRewriteFP8ExpertWeight:
     """The weight source of FP8 block-quantized fused experts (DeepSeek-V3, R1, Kimi-K2 as shipped): `weight`
     (E, out, in) holds float8_e4m3fn codes and `scale` (E, out / 128, in / 128) the float32 scale of each 128 x 128

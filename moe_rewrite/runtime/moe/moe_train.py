@@ -97,8 +97,14 @@ class MoE:
         it; the grouped path then writes that dtype straight from its float32 sums, with the same one rounding).
         The expert MLPs run as grouped GEMMs over tokens sorted by expert: gate and up fused in one, down in another.
         """
+        # generated with: expert-parallel
         if getattr(self, "ep_size", 1) > 1:  # expert parallelism (V1-form classes have no ep_size)
             return _moe_rewrite_expert_parallel(self, x, topk_ids, topk_weight, out_dtype)
+        # generated without: expert-parallel
+        if getattr(self, "ep_size", 1) > 1:
+            raise NotImplementedError(
+                "moe-rewrite: expert parallelism needs the routed experts fused (rewrite without --no-fuse-experts)"
+            )
         if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
             raise NotImplementedError("moe-rewrite: moe_train does not support pretraining_tp > 1 (set it to 1)")
         if _moe_rewrite_fsdp2_unit(self.experts):  # gathered around its moe_rewrite_run

@@ -19,6 +19,7 @@ def _moe_rewrite_gather_experts(value, name, layer):
     if name not in fused and not name.startswith(("lora_A.", "lora_B.")):
         raise RuntimeError(f"moe-rewrite: cannot gather the experts' {name} from the expert-parallel ranks")
     raw = value.detach().contiguous()
+    # generated with: fp8-experts
     if raw.dtype == torch.float8_e4m3fn:  # FP8 codes travel as bytes (gloo has no float8)
         raw = raw.view(torch.uint8)
     parts = [torch.empty_like(raw) for _ in range(layer.ep_size)]

@@ -38,6 +38,7 @@ def _moe_rewrite_ep_size(model):
     return sizes.pop() if sizes else 1
 
 
+# generated with: expert-parallel
 def _moe_rewrite_check_ep_group(group, ep):
     """`group` (the expert-parallel one) must hold this rank's block of ep consecutive ranks, in order: the layers
     were built and loaded for the experts of that block's rank % ep."""
@@ -51,6 +52,7 @@ def _moe_rewrite_check_ep_group(group, ep):
         )
 
 
+# generated with: expert-parallel
 def _moe_rewrite_fully_shard_api():
     """FSDP2's fully_shard and register_fsdp_forward_method (torch >= 2.6 exports them from torch.distributed.fsdp,
     2.4-2.5 from _composable)."""
@@ -61,6 +63,7 @@ def _moe_rewrite_fully_shard_api():
     return fully_shard, register_fsdp_forward_method
 
 
+# generated with: expert-parallel
 def _moe_rewrite_divide_gradients(module, factor, gloo):
     """FSDP2 `module` divides its reduced gradients by `factor`. On gloo, which has no PREMUL_SUM or AVG, it sums then
     divides, except on a group of one rank (torch 2.13's FSDP2 would divide twice there)."""
@@ -72,21 +75,23 @@ def _moe_rewrite_divide_gradients(module, factor, gloo):
         module.set_force_sum_reduction_for_comms(True)
 
 
+# generated with: expert-parallel
 def _moe_rewrite_experts_shard_kwargs(unit, kwargs):
     """fully_shard's keyword arguments for an experts unit: FP8 experts keep their codes and scales as they are (a
     mixed-precision param_dtype would gather them cast to it: twice the bytes, scales rounded); their adapters then
     run in their own dtype."""
-    import dataclasses
-
     experts, _ = _moe_rewrite_unwrap(unit)
     policy = kwargs.get("mp_policy")
-    fp8 = getattr(experts, "moe_rewrite_fp8", lambda: False)()
-    if not fp8 or policy is None or getattr(policy, "param_dtype", None) is None:
-        return kwargs
-    return {**kwargs, "mp_policy": dataclasses.replace(policy, param_dtype=None)}
+    # generated with: fp8-experts
+    if getattr(experts, "moe_rewrite_fp8", lambda: False)() and getattr(policy, "param_dtype", None) is not None:
+        import dataclasses
+
+        return {**kwargs, "mp_policy": dataclasses.replace(policy, param_dtype=None)}
+    return kwargs
 
 
 class Model:
+    # generated with: expert-parallel
     def moe_rewrite_expert_parallel(self, group=None):
         """Exchange every MoE layer's rows in `group`, a torch.distributed ProcessGroup or a one-dimensional
         DeviceMesh (mesh["ep"]), instead of the default one the layers make on first use; it must hold this rank's
@@ -101,6 +106,7 @@ class Model:
             layer.__dict__["_moe_rewrite_ep_group"] = group
         return self
 
+    # generated with: expert-parallel
     def moe_rewrite_fully_shard(self, mesh=None, **kwargs):
         """Shard the model with FSDP2 for expert parallelism (or without it, ep_size=1): each MoE layer's experts over
         the ranks holding the same experts (`mesh`'s first dimension), everything else over every rank, each decoder
