@@ -12,33 +12,25 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from moe_rewrite.codemods import (
-    MARK,
-    Codemod,
-    Context,
-    Field,
+from moe_rewrite.codemods import block
+from moe_rewrite.codemods.compat import compat
+from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field
+from moe_rewrite.codemods.model import (
     attention,
     attention_mask,
-    block,
-    compat,
-    expert_layout,
-    expert_mlp,
-    expert_parallel,
-    gate,
     gradient_checkpointing,
     init_weights,
     lm_loss,
-    moe_forward,
-    no_aux_loss,
     rmsnorm,
     rope,
 )
+from moe_rewrite.codemods.moe import expert_layout, expert_mlp, expert_parallel, gate, moe_forward, no_aux_loss
 from moe_rewrite.errors import InternalError, NotMoeFileError, Refusals, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
-# The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
+# The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/kit/context.py).
 # moe_forward finds the MoE class the later ones read (expert_mlp proves its experts' class); block, last, puts in
 # the code of every section asked for.
 CODEMODS: list[Codemod] = [

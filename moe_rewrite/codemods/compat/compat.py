@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import (
+from moe_rewrite.codemods.kit import (
     MARK,
     CompatChanges,
     Context,
@@ -51,7 +51,7 @@ from moe_rewrite.codemods import (
     replace,
     top_classes,
 )
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit.index import Index
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.render import render_statements
 

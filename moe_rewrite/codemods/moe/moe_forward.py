@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import (
+from moe_rewrite.codemods.kit import (
     Context,
     Field,
     MoeClassInfo,
@@ -58,8 +58,8 @@ from moe_rewrite.codemods import (
     reads,
     top_classes,
 )
-from moe_rewrite.codemods.gate import SELF_TRAINING, drop_training_guards
-from moe_rewrite.codemods.moe_infer_body import check_moe_infer
+from moe_rewrite.codemods.moe.gate import SELF_TRAINING, drop_training_guards
+from moe_rewrite.codemods.moe.moe_infer_body import check_moe_infer
 from moe_rewrite.errors import NotMoeFileError, RewriteError
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.render import CORE_SECTIONS

@@ -33,7 +33,8 @@ import itertools
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, first_line, is_marked_branch, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, first_line, replace
+from moe_rewrite.codemods.model.branch import is_marked_branch
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("norm",)

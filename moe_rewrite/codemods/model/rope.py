@@ -31,7 +31,8 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, code, first_line, is_marked_branch, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, code, first_line, replace
+from moe_rewrite.codemods.model.branch import is_marked_branch
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("rope",)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, body_lines, is_generated_method, is_marked, replace
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit import Context, Field, body_lines, is_generated_method, is_marked, replace
+from moe_rewrite.codemods.kit.index import Index
 
 GUARD = (
     "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n"

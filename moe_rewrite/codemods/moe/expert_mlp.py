@@ -41,7 +41,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, class_methods, one_line, top_classes
+from moe_rewrite.codemods.kit import Context, Field, class_methods, one_line, top_classes
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)

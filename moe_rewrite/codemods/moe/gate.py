@@ -39,7 +39,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, reads, replace
+from moe_rewrite.codemods.kit import Context, Field, reads, replace
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)

@@ -36,7 +36,8 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, code, replace, single_method, unbranched
+from moe_rewrite.codemods.kit import MARK, Context, Field, code, replace, single_method
+from moe_rewrite.codemods.model.branch import unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("loss",)

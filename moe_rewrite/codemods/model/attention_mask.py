@@ -32,8 +32,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, is_marked, one_line, replace, top_classes
-from moe_rewrite.codemods.attention import PRETRAINED_BASE
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, is_marked, one_line, replace, top_classes
+from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
 
 READS: tuple[Field, ...] = ("attention",)
 PROVIDES: tuple[Field, ...] = ()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, replace
+from moe_rewrite.codemods.kit import Context, Field, replace
 from moe_rewrite.errors import RewriteError
 
 CHECKPOINTING_ON = m.BooleanOperation(

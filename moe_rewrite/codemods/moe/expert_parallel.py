@@ -33,8 +33,8 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, one_line, replace, top_classes
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, one_line, replace, top_classes
+from moe_rewrite.codemods.kit.index import Index
 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()

@@ -55,7 +55,8 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, code, first_line, is_marked, replace, single_method, unbranched
+from moe_rewrite.codemods.kit import MARK, Context, Field, code, first_line, is_marked, replace, single_method
+from moe_rewrite.codemods.model.branch import unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("attention",)
