@@ -14,7 +14,7 @@ import libcst as cst
 
 from moe_rewrite.codemods import block
 from moe_rewrite.codemods.compat import compat
-from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field
+from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field, Form
 from moe_rewrite.codemods.model import (
     attention,
     attention_mask,
@@ -84,7 +84,7 @@ check_order(CODEMODS, RESULT_READS)
 class RewriteResult:
     text: str  # the input itself when it is up to date (see rewrite_source)
     changed: bool  # text != the input
-    form: str  # "v3" or "v2"
+    form: str  # "v3", "v2" or "esft" (codemods.kit.Form)
     moe_class: str
     gate_class: str
     options: RewriteOptions  # the options the file was rewritten with: the caller's, with what its form chose
@@ -132,7 +132,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None) -> RewriteR
     return RewriteResult(
         text=new_text,
         changed=new_text != text,
-        form=moe.form,
+        form=Form(moe.form).value,
         moe_class=moe.name,
         gate_class=moe.gate_class or "",
         options=context.options,

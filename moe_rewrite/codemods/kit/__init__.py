@@ -1,7 +1,7 @@
 """What the codemods share: `Context` (context.py), the marker every generated statement carries and the tests for
 generated code (markers.py), syntax helpers (syntax.py), and the `Index` of what a file holds (index.py)."""
 
-from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, MoeClassInfo
+from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
 from moe_rewrite.codemods.kit.index import Facts, Index
 from moe_rewrite.codemods.kit.markers import (
     GENERATED_PREFIXES,
@@ -35,6 +35,7 @@ __all__ = [
     "Context",
     "Facts",
     "Field",
+    "Form",
     "Index",
     "MoeClassInfo",
     "body_lines",

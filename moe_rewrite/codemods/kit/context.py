@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import lru_cache
 from typing import Literal, Protocol
 
@@ -17,13 +18,21 @@ from moe_rewrite.options import RewriteOptions
 from moe_rewrite.render import Section, render_section
 
 
+class Form(str, Enum):
+    """The MoE forward's form (docs/forms.md), by the name RewriteResult.form and the CLI's summary give it."""
+
+    V3 = "v3"  # `if not self.training:` calls moe_infer; training gets an else calling moe_train (V3, Kimi)
+    V2 = "v2"  # `if self.training:` loops over the experts (V2; V1, whose moe_infer takes flat ids, too)
+    ESFT = "esft"  # one loop for training and eval under `if self.ep_size == 1:` (ESFT, no moe_infer)
+
+
 @dataclass
 class MoeClassInfo:
     """The file's MoE class, as moe_forward found it."""
 
     name: str
     gate_class: str | None
-    form: str  # "v3", "v2" or "esft"
+    form: Form
 
 
 @dataclass

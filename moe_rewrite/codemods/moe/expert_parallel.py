@@ -33,7 +33,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, one_line, replace, top_classes
+from moe_rewrite.codemods.kit import MARK, Context, Field, Form, class_methods, code, one_line, replace, top_classes
 from moe_rewrite.codemods.kit.index import Index
 
 READS: tuple[Field, ...] = ("moe",)
@@ -164,7 +164,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     params = init.params.params
     if len(branches) != 1:
         why = f"{len(branches)} `if ... ep_size > 1:` branches"
-    elif context.moe_class().form == "esft":
+    elif context.moe_class().form == Form.ESFT:
         why = "ESFT form: its moe_ep exchanges rows over the whole world"
     elif len(params) < 2:
         why = "__init__ takes no config"
