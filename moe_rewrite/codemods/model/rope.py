@@ -32,7 +32,7 @@ import ast
 import libcst as cst
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, code, first_line, replace
-from moe_rewrite.codemods.model.branch import is_marked_branch
+from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("rope",)
@@ -183,15 +183,9 @@ def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None,
 
 def _branched(fn: cst.FunctionDef, interleaved: bool, module: cst.Module) -> cst.FunctionDef:
     """The function with the fused rotation's branch as its first statement (after a docstring)."""
-    body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     names = dict(zip(PARAMS, (p.name.value for p in fn.params.params)))
     text = BRANCH.format(**names, flag="" if interleaved else ", interleaved=False")
-    text = text.replace("\n", module.default_newline)
-    branch = cst.ensure_type(cst.parse_statement(text, config=module.config_for_parsing), cst.If)
-    at = 1 if fn.get_docstring() is not None else 0
-    # the first statement's comments stay above it: the marker goes above the branch, so undo restores them as they were
-    body.insert(at, branch.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(NOTE))]))
-    return fn.with_changes(body=fn.body.with_changes(body=body))
+    return first_branch(fn, text, NOTE, module, 1 if fn.get_docstring() is not None else 0)
 
 
 def undo(module: cst.Module) -> cst.Module:
@@ -199,9 +193,9 @@ def undo(module: cst.Module) -> cst.Module:
     for fn in [s for s in module.body if isinstance(s, cst.FunctionDef)]:
         if not isinstance(fn.body, cst.IndentedBlock):
             continue
-        kept = [s for s in fn.body.body if not is_marked_branch(s, NOTE, OUR_CALL)]
-        if len(kept) != len(fn.body.body):
-            module = replace(module, fn, fn.with_changes(body=fn.body.with_changes(body=kept)))
+        plain = unbranched(fn, NOTE, OUR_CALL)
+        if plain is not fn:
+            module = replace(module, fn, plain)
     return module
 
 
