@@ -2,7 +2,7 @@
 generated code (markers.py), syntax helpers (syntax.py), and the `Index` of what a file holds (index.py)."""
 
 from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
-from moe_rewrite.codemods.kit.index import Facts, Index
+from moe_rewrite.codemods.kit.index import Facts, Index, find, walk
 from moe_rewrite.codemods.kit.markers import (
     GENERATED_PREFIXES,
     LEGACY_CALLS,
@@ -41,6 +41,7 @@ __all__ = [
     "body_lines",
     "class_methods",
     "code",
+    "find",
     "first_line",
     "in_file_lineage",
     "is_generated_method",
@@ -51,4 +52,5 @@ __all__ = [
     "replace",
     "single_method",
     "top_classes",
+    "walk",
 ]

@@ -55,7 +55,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, code, is_marked, replace, single_method
+from moe_rewrite.codemods.kit import MARK, Context, Field, code, find, is_marked, replace, single_method
 from moe_rewrite.codemods.model.attention_core import Core, find_core
 from moe_rewrite.codemods.model.branch import around, unbranched
 
@@ -90,7 +90,7 @@ SUPPORTS_SDPA = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.N
 def _keeps_config(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> bool:
     """Whether the class (or a base in the file) sets `self.config`: the branch reads self.config."""
     keeps = m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name("config")))])
-    if m.findall(cls, keeps):
+    if find(cls, keeps, cst.Assign):
         return True
     bases = [b.value.value for b in cls.bases if isinstance(b.value, cst.Name)]
     return any(base in classes and _keeps_config(classes[base], classes) for base in bases)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import Context, Field, Form, reads, replace
+from moe_rewrite.codemods.kit import Context, Field, Form, find, reads, replace
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
@@ -89,7 +89,7 @@ def drop_training_guards(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
     """`fn` without its training guards (TRAINING_GUARD); refuses a guard-like statement it does not recognise: an
     assert on self.training, or a raise under a test of it."""
     fn = cst.ensure_type(fn.visit(_DropTrainingGuards()), cst.FunctionDef)
-    for node in m.findall(fn, m.Assert() | m.If()):
+    for node in find(fn, m.Assert() | m.If(), cst.Assert, cst.If):
         test = cst.ensure_type(node, (cst.Assert, cst.If)).test  # type: ignore[arg-type]
         raises = isinstance(node, cst.Assert) or any(
             m.matches(s, m.SimpleStatementLine(body=[m.Raise()])) for s in _top(node)

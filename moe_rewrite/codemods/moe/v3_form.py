@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import class_methods, in_file_lineage, one_line, top_classes
+from moe_rewrite.codemods.kit import class_methods, find, in_file_lineage, one_line, top_classes
 from moe_rewrite.codemods.moe.eval_call import EVAL_NOTE, single_moe_infer_assign
 from moe_rewrite.codemods.moe.gate import SELF_TRAINING
 from moe_rewrite.codemods.moe.moe_class import MOE_INFER_CALL, as_block
@@ -158,7 +158,7 @@ def refuse_helpers_reading_training(
                 targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))],
                 value=m.Call(func=m.Name()),
             )
-            for node in m.findall(init, assign) if init is not None else []:
+            for node in find(init, assign, cst.Assign) if init is not None else []:
                 sub = classes.get(cst.ensure_type(cst.ensure_type(node, cst.Assign).value, cst.Call).func.value)  # type: ignore[attr-defined]
                 if sub is not None:
                     return resolve(cst.Attribute(value=cst.Name("self"), attr=cst.Name("forward")), sub)[0], sub
@@ -176,7 +176,7 @@ def refuse_helpers_reading_training(
                     continue
                 seen.add(id(target))
                 name = func.attr.value if isinstance(func, cst.Attribute) else cst.ensure_type(func, cst.Name).value  # type: ignore[attr-defined]
-                if m.findall(target, m.Attribute(attr=m.Name("training"))):
+                if find(target, m.Attribute(attr=m.Name("training")), cst.Attribute):
                     calls = " -> ".join(f"{c}()" for c in (*chain, name))
                     raise RewriteError(
                         f"{where}: `{one_line(stmt)}` in the eval branch calls {calls}, which reads `.training`; "
