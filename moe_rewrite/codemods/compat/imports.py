@@ -4,6 +4,8 @@ where the file uses a name that has no stand-in."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -30,6 +32,16 @@ LLAMA = "transformers.models.llama.modeling_llama"
 FALLBACKS |= {(LLAMA, name): "compat_llama_attention" for name in ("LlamaAttention", "LlamaFlashAttention2")}
 GONE_NAMES |= {(LLAMA, "LlamaFlashAttention2"): "4.48", (LLAMA, "LlamaSdpaAttention"): "4.48"}
 IMPORT_FROM_LINE = m.SimpleStatementLine(body=[m.ImportFrom()])
+
+
+@lru_cache(maxsize=64)
+def _stand_in(section: str, config: cst.PartialParserConfig) -> tuple[cst.BaseStatement, ...]:
+    """A fallback section's statements for files with this newline, indentation and encoding, parsed once per
+    process (as Context.section does for the block's sections): their nodes, immutable, can be shared."""
+    layout = cst.Module(
+        body=[], encoding=config.encoding, default_indent=config.default_indent, default_newline=config.default_newline
+    )
+    return tuple(render_statements(section, layout))
 
 
 def module_name(node: cst.ImportFrom) -> str:
@@ -74,7 +86,7 @@ def guard(
             if section in rendered:  # a section that stands in for several names (Llama's attention classes)
                 continue
             rendered.add(section)
-            defs = render_statements(section, module)
+            defs = list(_stand_in(section, module.config_for_parsing))
             classes = [d for d in defs if isinstance(d, cst.ClassDef)]
             if not classes:  # the function under the file's name for it; its helpers keep theirs
                 fallback += [d.with_changes(name=cst.Name(bound)) if is_named(d, imported) else d for d in defs]
