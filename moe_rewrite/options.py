@@ -21,14 +21,14 @@ class RewriteOptions:
     # from_pretrained / from_config fuse the routed experts (moe_rewrite_fuse_experts); None, the default: fused,
     # unless the file needs per-expert layers, which the rewrite then chooses and says (Context.need_per_expert_layers)
     fuse_experts: bool | None = None
-    compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat.py)
-    sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/attention.py)
-    fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/lm_loss.py)
-    fused_norm: bool = True  # RMSNorm through the fused Triton kernels where they apply (codemods/rmsnorm.py)
-    fused_rope: bool = True  # apply_rotary_pos_emb through the fused Triton kernel where it applies (codemods/rope.py)
-    # FP8 block-quantized experts (runtime/fp8/): generated where asked; None, the default: where the checkpoint's
-    # config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records them, else not
-    # (rewrite.fp8_choice, said in the summary)
+    compat: bool = True  # run on transformers 4.46 through 5.x (codemods/compat/)
+    sdpa: bool = True  # the attention core through SDPA where the config asks for "sdpa" (codemods/model/attention.py)
+    fused_loss: bool = True  # the causal-LM loss without float32 logits in training (codemods/model/lm_loss.py)
+    fused_norm: bool = True  # RMSNorm through the fused Triton kernels where they apply (codemods/model/rmsnorm.py)
+    fused_rope: bool = True  # apply_rotary_pos_emb through the fused Triton kernel where it applies (model/rope.py)
+    # FP8 block-quantized experts (runtime/experts/fp8_experts.py): generated where asked; None, the default: where the
+    # checkpoint's config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records
+    # them, else not (rewrite.fp8_choice, said in the summary)
     fp8_experts: bool | None = None
 
     def __post_init__(self) -> None:

@@ -10,37 +10,31 @@ import re
 import sys
 import tokenize
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import libcst as cst
 
-from moe_rewrite.codemods import (
-    MARK,
-    Codemod,
-    Context,
-    Field,
+from moe_rewrite.codemods import block
+from moe_rewrite.codemods.compat import compat
+from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field, Form
+from moe_rewrite.codemods.model import (
     attention,
     attention_mask,
-    block,
-    compat,
-    expert_layout,
-    expert_mlp,
-    expert_parallel,
-    gate,
     gradient_checkpointing,
     init_weights,
     lm_loss,
-    moe_forward,
-    no_aux_loss,
     rmsnorm,
     rope,
 )
+from moe_rewrite.codemods.moe import expert_layout, expert_mlp, expert_parallel, gate, moe_forward, no_aux_loss
 from moe_rewrite.errors import InternalError, NotMoeFileError, Refusals, RewriteError
 from moe_rewrite.options import BACKENDS, STACKINGS, RewriteOptions
 
 __all__ = ["BACKENDS", "STACKINGS", "RewriteOptions", "RewriteResult", "rewrite_source"]
 
-# The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/__init__.py).
+# The rewrites, in order: each is `transform(module, context) -> module` (see moe_rewrite/codemods/kit/context.py).
 # moe_forward finds the MoE class the later ones read (expert_mlp proves its experts' class); block, last, puts in
 # the code of every section asked for.
 CODEMODS: list[Codemod] = [
@@ -94,7 +88,7 @@ check_order(CODEMODS, RESULT_READS)
 class RewriteResult:
     text: str  # the input itself when it is up to date (see rewrite_source)
     changed: bool  # text != the input
-    form: str  # "v3" or "v2"
+    form: str  # "v3", "v2" or "esft" (codemods.kit.Form)
     moe_class: str
     gate_class: str
     options: RewriteOptions  # the options the file was rewritten with: the caller's, with what its form chose
@@ -144,7 +138,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None, config: dic
     return RewriteResult(
         text=new_text,
         changed=new_text != text,
-        form=moe.form,
+        form=Form(moe.form).value,
         moe_class=moe.name,
         gate_class=moe.gate_class or "",
         options=context.options,
@@ -161,8 +155,12 @@ def rewrite_source(text: str, options: RewriteOptions | None = None, config: dic
 def up_to_date(text: str, rewritten: str) -> bool:
     """Whether `text` differs from its rewrite `rewritten` in formatting only: the same syntax tree, docstrings compared
     as black compares them (a formatter re-indents them), and the same moe-rewrite markers in the same order (the
-    banner names the version and options; a later run finds the generated code by them)."""
-    return _markers(text) == _markers(rewritten) and _code(text) == _code(rewritten)
+    banner names the version and options; a later run finds the generated code by them). The markers are compared
+    as they are read, so that a file without any (the first run on it) is not tokenized at all, and its rewrite only
+    up to its first marker."""
+    theirs = _markers(text) if MARK in text or block.BANNER in text else iter(())
+    same = all(a == b for a, b in zip_longest(theirs, _markers(rewritten)))  # a missing one is None
+    return same and _code(text) == _code(rewritten)
 
 
 def _code(text: str) -> str:
@@ -179,10 +177,11 @@ def _code(text: str) -> str:
     return ast.dump(tree)
 
 
-def _markers(text: str) -> list[str]:
+def _markers(text: str) -> Iterator[str]:
+    """The file's moe-rewrite comments, in order, as the tokenizer reaches them."""
     tokens = tokenize.generate_tokens(io.StringIO(text).readline)
     comments = (token.string.strip() for token in tokens if token.type == tokenize.COMMENT)
-    return [comment for comment in comments if comment.startswith((MARK, block.BANNER))]
+    return (comment for comment in comments if comment.startswith((MARK, block.BANNER)))
 
 
 def _check_syntax(text: str) -> None:
@@ -244,4 +243,34 @@ def _rewrite(text: str, options: RewriteOptions, chosen: list[str]) -> tuple[str
     if refused:
         moe_first = sorted(refused, key=lambda item: item[0] not in MOE_FORM)  # stable: CODEMODS order within each
         raise Refusals([reason for _, reason in moe_first])
-    return module.code, context
+    shared = {id(stmt) for section in context.rendered.values() for stmt in section.statements}
+    return _module_code(module, shared), context
+
+
+# the code of statements that rewrites share (rendered sections: Context.section), by (id, newline, indent); the
+# statement is kept so that its id stays its own
+_STATEMENT_CODE: dict[tuple[int, str, str], tuple[cst.CSTNode, str]] = {}
+
+
+def _module_code(module: cst.Module, shared: set[int]) -> str:
+    """`module.code`, with the code of the `shared` top-level statements generated once per process: the generated
+    block is most of a rewritten file, and generating its code a fifth of a rewrite. libcst generates a module as its
+    header, each statement, its footer (a top-level statement's code does not depend on what comes before it), then
+    drops the last line break where the file had none: that case, and a file without shared statements, is left to
+    libcst."""
+    if not shared or not module.has_trailing_newline:
+        return module.code
+    parts = [module.code_for_node(line) for line in module.header]
+    for stmt in module.body:
+        if id(stmt) not in shared:
+            parts.append(module.code_for_node(stmt))
+            continue
+        key = (id(stmt), module.default_newline, module.default_indent)
+        known = _STATEMENT_CODE.get(key)
+        if known is None or known[0] is not stmt:
+            if len(_STATEMENT_CODE) > 20_000:  # sections rendered for many layouts and options: start again
+                _STATEMENT_CODE.clear()
+            known = _STATEMENT_CODE[key] = (stmt, module.code_for_node(stmt))
+        parts.append(known[1])
+    parts += [module.code_for_node(line) for line in module.footer]
+    return "".join(parts)

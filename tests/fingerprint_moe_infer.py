@@ -1,5 +1,5 @@
 """Print the fingerprints of the moe_infer methods in published modeling files, for KNOWN_BODIES and KNOWN_STATEMENTS
-in moe_rewrite/codemods/moe_infer_body.py (add a body only when several independent copies of a published model
+in moe_rewrite/codemods/moe/moe_infer_body.py (add a body only when several independent copies of a published model
 file have it; never copy the file into the repository)::
 
     python tests/fingerprint_moe_infer.py path/to/modeling_deepseek.py ...
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import sys
 
-from moe_rewrite.codemods.moe_infer_body import KNOWN_BODIES, fingerprint
+from moe_rewrite.codemods.moe.moe_infer_body import KNOWN_BODIES, fingerprint
 
 
 def main(argv: list[str]) -> int:

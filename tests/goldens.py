@@ -11,8 +11,8 @@ from functools import lru_cache
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import is_generated_method
 from moe_rewrite.codemods.block import _generated_block
+from moe_rewrite.codemods.kit import is_generated_method
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.render import OPTIONS_NAME, SECTIONS, render_section
 

@@ -14,7 +14,7 @@ import pytest
 from goldens import not_from_sections, section_hashes, what_changed
 
 from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
-from moe_rewrite.codemods.moe_forward import EVAL_NOTE
+from moe_rewrite.codemods.moe.moe_forward import EVAL_NOTE
 
 PAIRS = Path(__file__).parent / "pairs"
 FIXTURES = Path(__file__).parent.parent / "fixtures"

@@ -1,5 +1,5 @@
-"""codemods/expert_parallel.py: the published MoE __init__'s `assert config.ep_size == dist.get_world_size()` goes and
-`self.ep_rank = dist.get_rank()` becomes `_moe_rewrite_ep_rank(config)` (the rank's place in its group of ep
+"""codemods/moe/expert_parallel.py: the published MoE __init__'s `assert config.ep_size == dist.get_world_size()` goes
+and `self.ep_rank = dist.get_rank()` becomes `_moe_rewrite_ep_rank(config)` (the rank's place in its group of ep
 consecutive ranks); any other spelling of that branch stays as published, with a summary line saying why."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 from conftest import FIXTURES, run_cli
 from mutations import Mutation
 
-from moe_rewrite.codemods import Context, MoeClassInfo, expert_parallel
+from moe_rewrite.codemods.kit import Context, MoeClassInfo
+from moe_rewrite.codemods.moe import expert_parallel
 from moe_rewrite.options import RewriteOptions
 from moe_rewrite.rewrite import rewrite_source
 

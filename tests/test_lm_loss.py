@@ -234,8 +234,8 @@ def _snippet_forward(text: str) -> tuple[str, list[str]]:
     """The snippet's forward alone, through the codemod (the MoE codemods need a whole file)."""
     import libcst as cst
 
-    from moe_rewrite.codemods import Context
-    from moe_rewrite.codemods import lm_loss as codemod
+    from moe_rewrite.codemods.kit import Context
+    from moe_rewrite.codemods.model import lm_loss as codemod
 
     context = Context(RewriteOptions())
     return codemod.transform(cst.parse_module(text), context).code, context.loss
@@ -252,7 +252,7 @@ def test_the_published_loss_goes_into_the_else_of_a_fused_branch():
     assert again == text
     import libcst as cst
 
-    from moe_rewrite.codemods import lm_loss as codemod
+    from moe_rewrite.codemods.model import lm_loss as codemod
 
     assert codemod.undo(cst.parse_module(text)).code == SNIPPET
 

@@ -1,6 +1,6 @@
-"""moe_infer's proof (moe_rewrite/codemods/moe_infer_body.py): the stand-ins' bodies are known, the comparison ignores
-names, formatting, comments, docstrings and the expert-parallel blocks, and sees every constant, operator, attribute and
-call; the eval call's keyword arguments are bound to moe_infer's parameters."""
+"""moe_infer's proof (moe_rewrite/codemods/moe/moe_infer_body.py): the stand-ins' bodies are known, the comparison
+ignores names, formatting, comments, docstrings and the expert-parallel blocks, and sees every constant, operator,
+attribute and call; the eval call's keyword arguments are bound to moe_infer's parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moe_rewrite import RewriteError, rewrite_source
-from moe_rewrite.codemods.moe_infer_body import KNOWN_BODIES, check_moe_infer, fingerprint
+from moe_rewrite.codemods.moe.moe_infer_body import KNOWN_BODIES, check_moe_infer, fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, build_model, run_cli, snapshot
 from ocr_checkpoint import WRAPPER, language_model, write_checkpoint
 
 from moe_rewrite import rewrite_source
-from moe_rewrite.codemods import MARK
+from moe_rewrite.codemods.kit import MARK
 
 ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = ROOT / "moe_rewrite" / "runtime" / "compat_llama_attention.py"

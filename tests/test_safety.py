@@ -191,7 +191,7 @@ def test_a_bug_in_moe_rewrite_says_so_exits_3_and_writes_nothing(checkpoint, tmp
     """A codemod failing on its own assumptions is moe-rewrite's bug, not the file's: one line saying so (the
     traceback before it only with -v), exit 3, nothing written."""
     from moe_rewrite import __version__
-    from moe_rewrite.codemods import gate
+    from moe_rewrite.codemods.moe import gate
 
     def broken(module, context):
         raise TypeError("'NoneType' object is not subscriptable")

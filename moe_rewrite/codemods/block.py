@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from moe_rewrite.codemods import GENERATED_PREFIXES, Context, Field, is_generated_method, marked
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit import GENERATED_PREFIXES, Context, Field, is_generated_method, marked
+from moe_rewrite.codemods.kit.index import Index
 from moe_rewrite.render import banner_lines, ordered
 
 BANNER = "# ---- moe-rewrite"  # the first line above the generated block (render.banner_lines)

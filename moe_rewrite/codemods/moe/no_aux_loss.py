@@ -22,7 +22,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, replace, top_classes
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, replace, top_classes
 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()

@@ -32,8 +32,19 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, is_marked, one_line, replace, top_classes
-from moe_rewrite.codemods.attention import PRETRAINED_BASE
+from moe_rewrite.codemods.kit import (
+    MARK,
+    Context,
+    Field,
+    Index,
+    class_methods,
+    is_marked,
+    one_line,
+    replace,
+    top_classes,
+    walk,
+)
+from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
 
 READS: tuple[Field, ...] = ("attention",)
 PROVIDES: tuple[Field, ...] = ()
@@ -45,11 +56,12 @@ NOTE = f"{MARK}: no mask where SDPA runs causal-only; the file's own mask otherw
 ADDED = ("self.config", "output_attentions")  # after the file's function, before its own arguments
 MASK_CALL = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Name()))])
 
-
 FX_WRAP = m.Call(
     func=m.Attribute(value=m.Attribute(value=m.Name("torch"), attr=m.Name("fx")), attr=m.Name("wrap")),
     args=[m.Arg(value=m.Name(BUILD), keyword=None)],
 )
+FX_WRAPPED = m.Assign(targets=[m.AssignTarget(m.Name(BUILD))], value=FX_WRAP)  # `BUILD = torch.fx.wrap(BUILD)`
+BINDINGS = (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName)  # nodes whose target binds names
 
 
 def _assign(stmt: cst.SimpleStatementLine) -> tuple[str, cst.Call]:
@@ -91,9 +103,12 @@ def _wrapped(stmt: cst.SimpleStatementLine, module: cst.Module) -> cst.SimpleSta
     )
 
 
-def _calls(forward: cst.FunctionDef, callee: str) -> list[cst.SimpleStatementLine]:
-    """The forward's statements `NAME = callee(...)`, wherever they are in it."""
-    found = m.findall(forward, MASK_CALL)
+def _calls(forward: cst.FunctionDef, callee: str, index: Index) -> list[cst.SimpleStatementLine]:
+    """The forward's statements `NAME = callee(...)`, wherever they are in it (looked for only where it calls
+    `callee`)."""
+    if callee not in index.facts(forward).called:
+        return []
+    found = [s for s in walk(forward) if type(s) is cst.SimpleStatementLine and m.matches(s, MASK_CALL)]
     return [s for s in found if m.matches(_assign(cst.ensure_type(s, cst.SimpleStatementLine))[1].func, m.Name(callee))]
 
 
@@ -108,25 +123,31 @@ def _edited(module: cst.Module, edit) -> cst.Module:
     return module
 
 
-def undo(module: cst.Module) -> cst.Module:
+def undo(module: cst.Module, index: Index | None = None) -> cst.Module:
     """The module with an earlier run's wrapped calls back as published."""
+    index = index or Index()
 
     def published(forward: cst.FunctionDef) -> cst.FunctionDef:
-        while ours := [s for s in _calls(forward, OUR_CALL) if _ours(s)]:  # one at a time: deep_replace makes new nodes
+        # one at a time: deep_replace makes new nodes
+        while ours := [s for s in _calls(forward, OUR_CALL, index) if _ours(s)]:
             forward = cst.ensure_type(forward.deep_replace(ours[0], _published(ours[0])), cst.FunctionDef)
         return forward
 
     return _edited(module, published)
 
 
-def _not_imported(module: cst.Module) -> str | None:
+def _not_imported(module: cst.Module, index: Index) -> str | None:
     """Why the module's `_prepare_4d_causal_attention_mask` may not be transformers' (None when it is): each top-level
     binding is the import from transformers.modeling_attn_mask_utils, the compat codemod's copy in that import's
-    marked `except ImportError:`, or `torch.fx.wrap` of itself."""
+    marked `except ImportError:`, or `torch.fx.wrap` of itself. Only the statements naming it, or importing `*`, can
+    bind it: the others are not looked into."""
     imported = False
     for stmt in module.body:
-        for node in m.findall(stmt, m.ImportFrom() | m.Import()):
-            names = cst.ensure_type(node, (cst.ImportFrom, cst.Import)).names  # type: ignore[arg-type]
+        facts = index.facts(stmt)
+        if BUILD not in facts.names and not any(isinstance(node.names, cst.ImportStar) for node in facts.imports):
+            continue
+        for node in facts.all_imports:
+            names = node.names
             if isinstance(names, cst.ImportStar):
                 return f"`{one_line(node)}` may bind `{BUILD}`"
             for alias in names:
@@ -135,20 +156,27 @@ def _not_imported(module: cst.Module) -> str | None:
                     if not (exact and node.module is not None and one_line(node.module) == BUILD_MODULE):
                         return f"`{BUILD}` comes from `{one_line(node)}`"
                     imported = True
-        for fn in m.findall(stmt, m.FunctionDef(name=m.Name(BUILD)) | m.ClassDef(name=m.Name(BUILD))):
-            compat = [h for h in m.findall(stmt, m.ExceptHandler()) if is_marked(h) and m.findall(h, m.Name(BUILD))]
+        nodes = list(walk(stmt)) if BUILD in facts.names else []
+        for fn in nodes if BUILD in facts.functions | facts.classes else ():
+            if not isinstance(fn, (cst.FunctionDef, cst.ClassDef)) or fn.name.value != BUILD:
+                continue
+            compat = [h for h in nodes if type(h) is cst.ExceptHandler and is_marked(h) and _names(h, index)]
             if not any(fn in cst.ensure_type(h, cst.ExceptHandler).body.body for h in compat):
                 return f"the file defines `{BUILD}` itself"
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             continue  # names bound in there are their own
-        targets = m.AssignTarget() | m.AnnAssign() | m.AugAssign() | m.For() | m.AsName()
-        for target in m.findall(stmt, targets):
+        for target in (n for n in nodes if type(n) in BINDINGS):
             bound = getattr(target, "target", None) or getattr(target, "name", None)
-            if bound is not None and m.findall(bound, m.Name(BUILD)):
-                wraps = m.findall(stmt, m.Assign(targets=[m.AssignTarget(m.Name(BUILD))], value=FX_WRAP))
+            if bound is not None and _names(bound, index):
+                wraps = [n for n in nodes if type(n) is cst.Assign and m.matches(n, FX_WRAPPED)]
                 if not any(target in cst.ensure_type(w, cst.Assign).targets for w in wraps):
                     return f"the file binds `{BUILD}` in `{one_line(stmt)}`"
     return None if imported else f"`{BUILD}` is not imported from {BUILD_MODULE}"
+
+
+def _names(node: cst.CSTNode, index: Index) -> bool:
+    """Whether a Name `_prepare_4d_causal_attention_mask` is in `node`."""
+    return BUILD in index.facts(node).names
 
 
 def _pretrained(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()) -> bool:
@@ -213,13 +241,14 @@ def _why_not(module: cst.Module, context: Context) -> str | None:
         return "an attention class runs the published core, which needs the 4-D mask"
     if not context.sdpa_classes:
         return "the SDPA attention is not chosen through an ATTENTION_CLASSES-like dict"
-    return _not_imported(module)
+    return _not_imported(module, context.index)
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with the Model's mask call wrapped where proven (with --sdpa, the default); where a mask call stays
     as published, a line in context.attention saying why."""
-    module = undo(module)
+    index = context.index
+    module = undo(module, index)
     if not context.options.sdpa:
         return module
     classes = top_classes(module)
@@ -227,7 +256,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         (name, forward)
         for name, cls in classes.items()
         if (forward := class_methods(cls).get("forward")) is not None
-        and _calls(forward, BUILD)
+        and _calls(forward, BUILD, index)
         and _pretrained(cls, classes)
     ]
     notes = context.attention_lines()
@@ -237,7 +266,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     done = []
     for name, forward in found:
         new, i = forward, 0
-        while i < len(calls := _calls(new, BUILD)):  # one at a time: deep_replace makes new nodes
+        while i < len(calls := _calls(new, BUILD, index)):  # one at a time: deep_replace makes new nodes
             why = reason or _prove(new, calls[i])
             if why is not None:
                 notes.append(f"attention mask: {name} left as published: {why}")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, reads, replace
+from moe_rewrite.codemods.kit import Context, Field, Form, find, reads, replace
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
@@ -89,7 +89,7 @@ def drop_training_guards(fn: cst.FunctionDef, where: str) -> cst.FunctionDef:
     """`fn` without its training guards (TRAINING_GUARD); refuses a guard-like statement it does not recognise: an
     assert on self.training, or a raise under a test of it."""
     fn = cst.ensure_type(fn.visit(_DropTrainingGuards()), cst.FunctionDef)
-    for node in m.findall(fn, m.Assert() | m.If()):
+    for node in find(fn, m.Assert() | m.If(), cst.Assert, cst.If):
         test = cst.ensure_type(node, (cst.Assert, cst.If)).test  # type: ignore[arg-type]
         raises = isinstance(node, cst.Assert) or any(
             m.matches(s, m.SimpleStatementLine(body=[m.Raise()])) for s in _top(node)
@@ -118,23 +118,23 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     moe = context.moe_class()
     gate_class = moe.gate_class
     if gate_class is None:
-        if moe.form != "v3":
+        if moe.form != Form.V3:
             return module
         raise RewriteError("the MoE class's __init__ does not assign `self.gate = <GateClass>(...)`")
     gates = [s for s in module.body if m.matches(s, m.ClassDef(name=m.Name(gate_class)))]
     if len(gates) != 1:
-        if moe.form != "v3":  # as before V2 gates were looked into: a gate the file does not define is not ours
+        if moe.form != Form.V3:  # as before V2 gates were looked into: a gate the file does not define is not ours
             return module
         raise RewriteError(f"gate class {gate_class} is not defined once at module level")
     gate = cst.ensure_type(gates[0], cst.ClassDef)
     forwards = [s for s in gate.body.body if m.matches(s, m.FunctionDef(name=m.Name("forward")))]
-    if len(forwards) != 1 and moe.form == "v3":
+    if len(forwards) != 1 and moe.form == Form.V3:
         raise RewriteError(f"{gate_class} has no forward()")
     # Every method: a guard in a helper the forward calls stops training as surely as one in the forward.
     for method in [s for s in gate.body.body if isinstance(s, cst.FunctionDef)]:
         where = f"{gate_class}.{method.name.value}"
         fixed = drop_training_guards(method, where)
-        if method.name.value == "forward" and moe.form == "v3":  # a V2 gate trains as published, in place or not
+        if method.name.value == "forward" and moe.form == Form.V3:  # a V2 gate trains as published, in place or not
             fixed = out_of_place_view_adds(fixed, where)
         module = replace(module, method, fixed)
     return module

@@ -31,7 +31,8 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, code, first_line, is_marked_branch, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, Index, code, first_line, replace
+from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("rope",)
@@ -142,12 +143,13 @@ def _functions(module: cst.Module, name: str) -> list[cst.FunctionDef]:
     return [s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value == name]
 
 
-def _rebound(module: cst.Module, name: str) -> bool:
-    """Whether a module-level statement other than its one `def` binds `name` (an assignment, an import)."""
-    for stmt in ast.parse(module.code).body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+def _rebound(module: cst.Module, name: str, index: Index) -> bool:
+    """Whether a module-level statement other than its one `def` binds `name` (an assignment, an import); only the
+    statements naming it are parsed."""
+    for line in module.body:
+        if isinstance(line, (cst.FunctionDef, cst.ClassDef)) or name not in index.facts(line).names:
             continue
-        for node in ast.walk(stmt):
+        for node in (node for stmt in ast.parse(module.code_for_node(line)).body for node in ast.walk(stmt)):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == name:
                 return True
             if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
@@ -155,7 +157,7 @@ def _rebound(module: cst.Module, name: str) -> bool:
     return False
 
 
-def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None, str | None]:
+def _find_rope(module: cst.Module, index: Index) -> tuple[cst.FunctionDef | None, bool | None, str | None]:
     """(apply_rotary_pos_emb, whether it de-interleaves, why it is not the published RoPE or None)."""
     applies, rotates = _functions(module, APPLY), _functions(module, ROTATE)
     if len(applies) != 1:
@@ -163,7 +165,7 @@ def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None,
     fn = applies[0]
     if len(rotates) != 1:
         return fn, None, f"{len(rotates)} module-level definitions of {ROTATE}"
-    if any(_rebound(module, name) for name in (APPLY, ROTATE)):
+    if any(_rebound(module, name, index) for name in (APPLY, ROTATE)):
         return fn, None, f"{APPLY} or {ROTATE} is also bound by another module-level statement"
     if _params(rotates[0], 1) is None:
         return fn, None, f"{ROTATE} does not take `(x)` alone"
@@ -182,15 +184,9 @@ def _find_rope(module: cst.Module) -> tuple[cst.FunctionDef | None, bool | None,
 
 def _branched(fn: cst.FunctionDef, interleaved: bool, module: cst.Module) -> cst.FunctionDef:
     """The function with the fused rotation's branch as its first statement (after a docstring)."""
-    body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     names = dict(zip(PARAMS, (p.name.value for p in fn.params.params)))
     text = BRANCH.format(**names, flag="" if interleaved else ", interleaved=False")
-    text = text.replace("\n", module.default_newline)
-    branch = cst.ensure_type(cst.parse_statement(text, config=module.config_for_parsing), cst.If)
-    at = 1 if fn.get_docstring() is not None else 0
-    # the first statement's comments stay above it: the marker goes above the branch, so undo restores them as they were
-    body.insert(at, branch.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(NOTE))]))
-    return fn.with_changes(body=fn.body.with_changes(body=body))
+    return first_branch(fn, text, NOTE, module, 1 if fn.get_docstring() is not None else 0)
 
 
 def undo(module: cst.Module) -> cst.Module:
@@ -198,9 +194,9 @@ def undo(module: cst.Module) -> cst.Module:
     for fn in [s for s in module.body if isinstance(s, cst.FunctionDef)]:
         if not isinstance(fn.body, cst.IndentedBlock):
             continue
-        kept = [s for s in fn.body.body if not is_marked_branch(s, NOTE, OUR_CALL)]
-        if len(kept) != len(fn.body.body):
-            module = replace(module, fn, fn.with_changes(body=fn.body.with_changes(body=kept)))
+        plain = unbranched(fn, NOTE, OUR_CALL)
+        if plain is not fn:
+            module = replace(module, fn, plain)
     return module
 
 
@@ -211,7 +207,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     notes = context.rope = []
     if not context.options.fused_rope:
         return module
-    fn, interleaved, reason = _find_rope(module)
+    fn, interleaved, reason = _find_rope(module, context.index)
     if fn is None:
         if reason is not None:
             notes.append(f"rope: {APPLY} left as published: {reason}")

@@ -37,8 +37,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, body_lines, is_generated_method, is_marked, replace
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit import Context, Field, body_lines, find, is_generated_method, is_marked, replace
+from moe_rewrite.codemods.kit.index import Index
 
 GUARD = (
     "if _moe_rewrite_loaded(module):  # moe-rewrite: keep what the checkpoint loaded (transformers 5.0 re-inits it)\n"
@@ -72,7 +72,7 @@ def _buffer_classes(module: cst.Module, index: Index) -> list[str]:
 
     def registers(cls: cst.ClassDef) -> bool:
         own = [s for s in cls.body.body if not is_generated_method(s, index)]
-        return any("register_buffer" in index.facts(s).attributes and m.findall(s, NON_PERSISTENT) for s in own)
+        return any("register_buffer" in index.facts(s).attributes and find(s, NON_PERSISTENT, cst.Call) for s in own)
 
     found = [c.name.value for c in classes if registers(c)]
     for cls in classes:  # in file order, so a subclass follows its base

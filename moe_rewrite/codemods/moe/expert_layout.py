@@ -17,7 +17,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, is_generated_method, marked, replace
+from moe_rewrite.codemods.kit import Context, Field, is_generated_method, marked, replace
 from moe_rewrite.render import generated
 
 READS: tuple[Field, ...] = ("projections",)

@@ -33,7 +33,8 @@ import itertools
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, first_line, is_marked_branch, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, first_line, replace
+from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("norm",)
@@ -179,13 +180,8 @@ def _check_init(cls: cst.ClassDef) -> str | None:
 
 def _branched(forward: cst.FunctionDef, x: str, module: cst.Module) -> cst.FunctionDef:
     """The forward with the fused norm's branch as its first statement (after a docstring)."""
-    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
-    text = BRANCH.format(x=x).replace("\n", module.default_newline)
-    branch = cst.ensure_type(cst.parse_statement(text, config=module.config_for_parsing), cst.If)
     at = 1 if _has_docstring(forward) else 0
-    # the first statement's comments stay above it: the marker goes above the branch, so undo restores them as they were
-    body.insert(at, branch.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(NOTE))]))
-    return forward.with_changes(body=forward.body.with_changes(body=body))
+    return first_branch(forward, BRANCH.format(x=x), NOTE, module, at)
 
 
 def undo(module: cst.Module) -> cst.Module:
@@ -194,9 +190,9 @@ def undo(module: cst.Module) -> cst.Module:
         forward = class_methods(cls).get("forward")
         if forward is None or not isinstance(forward.body, cst.IndentedBlock):
             continue
-        kept = [s for s in forward.body.body if not is_marked_branch(s, NOTE, OUR_CALL)]
-        if len(kept) != len(forward.body.body):
-            module = replace(module, forward, forward.with_changes(body=forward.body.with_changes(body=kept)))
+        plain = unbranched(forward, NOTE, OUR_CALL)
+        if plain is not forward:
+            module = replace(module, forward, plain)
     return module
 
 

@@ -33,8 +33,8 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import MARK, Context, Field, class_methods, code, one_line, replace, top_classes
-from moe_rewrite.codemods.index import Index
+from moe_rewrite.codemods.kit import MARK, Context, Field, Form, class_methods, code, one_line, replace, top_classes
+from moe_rewrite.codemods.kit.index import Index
 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()
@@ -125,7 +125,7 @@ def _edited(
     if len(sizes) != 1 or not _same(sizes[0], f"self.ep_size = {cfg}.ep_size"):
         return None, f"the branch does not set `self.ep_size = {cfg}.ep_size` once"
     for name in ("get_rank", "get_world_size"):
-        if len(m.findall(init, m.Name(name))) != 1:
+        if index.facts(init).names[name] != 1:
             return None, f"{name} is read again in __init__"
     lines = {}
     for which, node in (("assert", asserts[0]), ("rank", ranks[0])):
@@ -159,12 +159,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     branches = _ep_branches(init) if init is not None else []
     if init is None or not branches:
         return module  # no expert-parallel branch (V1 form, Kimi): nothing to lift
-    if any(m.findall(b, m.Call(func=m.Name(OUR_CALL))) for b in branches):
+    if any(OUR_CALL in context.index.facts(b).called for b in branches):
         return module  # an earlier run's edit
     params = init.params.params
     if len(branches) != 1:
         why = f"{len(branches)} `if ... ep_size > 1:` branches"
-    elif context.moe_class().form == "esft":
+    elif context.moe_class().form == Form.ESFT:
         why = "ESFT form: its moe_ep exchanges rows over the whole world"
     elif len(params) < 2:
         why = "__init__ takes no config"

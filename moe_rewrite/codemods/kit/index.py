@@ -10,9 +10,11 @@ appears, a function is called); a codemod that needs the exact shape still match
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 import libcst as cst
+import libcst.matchers as m
 
 
 @dataclass
@@ -23,7 +25,9 @@ class Facts:
     attributes: set[str] = field(default_factory=set)  # `attr` of every `x.attr`
     called: set[str] = field(default_factory=set)  # `f` of every call `f(...)` by plain name
     functions: set[str] = field(default_factory=set)  # names of the functions defined, at any depth
+    classes: set[str] = field(default_factory=set)  # names of the classes defined, at any depth
     imports: list[cst.ImportFrom] = field(default_factory=list)  # every `from M import ...`, in file order
+    all_imports: list[cst.Import | cst.ImportFrom] = field(default_factory=list)  # with every `import M`, in order
 
 
 def _children(node: cst.CSTNode) -> list[cst.CSTNode]:
@@ -55,8 +59,26 @@ def _is_node(value: object) -> bool:
     return known
 
 
-def _collect(node: cst.CSTNode, facts: Facts) -> None:
-    """Fills `facts` from every node under `node` (itself included), statements in file order."""
+def walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """Every node under `node` (itself first), each before its children, in the order of their fields: what
+    `m.findall(node, ...)` looks at, five times faster (_children)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack += reversed(_children(n))
+
+
+def find(node: cst.CSTNode, matcher: m.BaseMatcherNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    """`m.findall(node, matcher)` for a matcher of nodes of the types `kinds` only: the same nodes, found five times
+    faster (walk). Statements come in file order; expressions in the order of their fields, which is not always the
+    source's (an IfExp's test comes before its body): where the order matters, use findall."""
+    return [n for n in walk(node) if type(n) in kinds and m.matches(n, matcher)]
+
+
+def _collect(node: cst.CSTNode, facts: Facts, skip: cst.CSTNode | None = None) -> None:
+    """Fills `facts` from every node under `node` (itself included; `skip` and what is under it left out), statements
+    in file order."""
     stack = [node]
     while stack:
         n = stack.pop()
@@ -69,9 +91,26 @@ def _collect(node: cst.CSTNode, facts: Facts) -> None:
             facts.called.add(n.func.value)  # type: ignore[attr-defined]
         elif kind is cst.FunctionDef:
             facts.functions.add(n.name.value)  # type: ignore[attr-defined]
+        elif kind is cst.ClassDef:
+            facts.classes.add(n.name.value)  # type: ignore[attr-defined]
         elif kind is cst.ImportFrom:
             facts.imports.append(n)  # type: ignore[arg-type]
-        stack += reversed(_children(n))
+            facts.all_imports.append(n)  # type: ignore[arg-type]
+        elif kind is cst.Import:
+            facts.all_imports.append(n)  # type: ignore[arg-type]
+        children = _children(n)
+        stack += reversed([c for c in children if c is not skip] if n is node and skip is not None else children)
+
+
+def _merge(facts: Facts, part: Facts) -> None:
+    """Adds the facts of a part of a node (one of its statements) to the node's."""
+    facts.names.update(part.names)
+    facts.attributes |= part.attributes
+    facts.called |= part.called
+    facts.functions |= part.functions
+    facts.classes |= part.classes
+    facts.imports += part.imports
+    facts.all_imports += part.all_imports
 
 
 class Index:
@@ -86,7 +125,15 @@ class Index:
         if known is not None:
             return known[1]
         facts = Facts()
-        _collect(node, facts)
+        body = getattr(node, "body", None)
+        if type(node) in (cst.ClassDef, cst.FunctionDef) and type(body) is cst.IndentedBlock:
+            # a class or function: its header, then its statements' own facts, which are kept, so that a codemod
+            # that changes one method of a class walks that method again, not the whole class
+            _collect(node, facts, skip=body)
+            for stmt in body.body:  # type: ignore[union-attr]
+                _merge(facts, self.facts(stmt))
+        else:
+            _collect(node, facts)
         self._known[id(node)] = (node, facts)
         return facts
 
@@ -95,8 +142,9 @@ class Index:
         found = self.facts(node).names
         return any(name in found for name in names)
 
-    def only_in_body(self, cls: cst.ClassDef, names: set[str]) -> bool:
-        """Whether every one of `names` in the class is inside one of its body's statements (none in its header)."""
+    def only_in_body(self, cls: cst.ClassDef | cst.FunctionDef, names: set[str]) -> bool:
+        """Whether every one of `names` in the class (or function) is inside one of its body's statements (none in
+        its header)."""
         members = [self.facts(stmt).names for stmt in cls.body.body]
         found = self.facts(cls).names
         return all(found[name] == sum(counts[name] for counts in members) for name in names)

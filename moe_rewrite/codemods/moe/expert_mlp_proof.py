@@ -1,38 +1,7 @@
-"""Prove the expert MLP: the grouped GEMMs compute every routed expert as `down(act_fn(gate(x)) * up(x))` from the
-three projections' weights and the first expert's `act_fn`, so the file's expert class must compute exactly that, or
-the file is refused naming the difference. Nothing is changed in the file; the projections' names are read from the
-forward's use, not their names (Kimi's `w2(act_fn(w1(x)) * w3(x))`: w1 gate, w3 up, w2 down) and passed on to the
-generated code (Context.projections, MOE_REWRITE_PROJECTIONS), so that checkpoint keys and PEFT see the file's names.
-
-The class X of the routed experts comes from the MoE class's `__init__` (and its in-file subclasses'): every
-`self.experts = ...` there must be an `nn.ModuleList` of `X(...)` built in a comprehension (`... if lo <= i < hi
-else None` allowed in the `ep_size > 1` branch only). X (with its methods resolved through its in-file bases, down to
-nn.Module) must be the published MLP, up to names and formatting::
-
-    # Accepted
-    class DeepseekV3MLP(nn.Module):
-        def __init__(self, config, hidden_size=None, intermediate_size=None):
-            super().__init__()
-            self.config = config
-            self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
-            self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
-            self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-            self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
-            self.act_fn = ACT2FN[config.hidden_act]
-
-        def forward(self, x):
-            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # or with the product swapped
-            return down_proj
-
-    # Refused (examples)
-    self.experts = nn.ModuleDict({str(i): DeepseekV3MLP(config) for i in range(n)})   # not an nn.ModuleList
-    self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=True)   # a bias the GEMMs drop
-    self.norm = nn.LayerNorm(self.intermediate_size)                                  # a submodule they skip
-    return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))                # not act_fn
-    return self.down_proj(self.act_fn(self.down_proj(x)) * self.up_proj(x))         # down used as the gate
-    class PrunedMLP(DeepseekV3MLP): def forward(self, x): ...                        # checked as its own forward
-"""
+"""The expert class proved the published expert MLP (expert_mlp.py's docstring shows it): its chain of in-file bases
+down to nn.Module, its members, `__init__` (three bias-free nn.Linear projections of matching sizes, `act_fn =
+ACT2FN[config.hidden_act]`, plain attributes) and `forward` (`down(act_fn(gate(x)) * up(x))`, temporaries inlined);
+the projections' names are read from the forward's use."""
 
 from __future__ import annotations
 
@@ -41,17 +10,13 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, class_methods, one_line, top_classes
+from moe_rewrite.codemods.kit import class_methods, one_line
 from moe_rewrite.errors import RewriteError
 
-READS: tuple[Field, ...] = ("moe",)
-PROVIDES: tuple[Field, ...] = ("projections",)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 NN = m.Name("nn") | m.Attribute(value=m.Name("torch"), attr=m.Name("nn"))
 NN_MODULE = m.Attribute(value=NN, attr=m.Name("Module")) | m.Name("Module")
 NN_LINEAR = m.Attribute(value=NN, attr=m.Name("Linear")) | m.Name("Linear")
-NN_MODULE_LIST = m.Attribute(value=NN, attr=m.Name("ModuleList")) | m.Name("ModuleList")
-SELF_EXPERTS = m.Attribute(value=m.Name("self"), attr=m.Name("experts"))
 SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")), args=[]) | m.Call(
     func=m.Attribute(value=NN_MODULE, attr=m.Name("__init__")), args=[m.Arg(m.Name("self"))]
 )
@@ -114,97 +79,6 @@ def _statements(fn: cst.FunctionDef, where: str) -> list[cst.BaseSmallStatement 
 
 def _params(fn: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in fn.params.params]
-
-
-# --- the MoE class: which class the routed experts are -------------------------------------------------------------
-
-
-def _in_ep_branch(init: cst.FunctionDef, assign: cst.CSTNode) -> bool:
-    """Whether `assign` sits in the body (not the else) of an `if ... ep_size > 1:` in `init`."""
-    greater = m.Comparison(comparisons=[m.ComparisonTarget(operator=m.GreaterThan(), comparator=m.Integer("1"))])
-    for branch in m.findall(init, m.If()):
-        branch = cst.ensure_type(branch, cst.If)
-        tests = [cst.ensure_type(c, cst.Comparison) for c in m.findall(branch.test, greater)]
-        mentions_ep = any("ep_size" in one_line(c.left) for c in tests)
-        if mentions_ep and any(node is assign for node in m.findall(branch.body, m.Assign())):
-            return True
-    return False
-
-
-def _expert_class(moe: str, classes: dict[str, cst.ClassDef]) -> str:
-    # the nearest __init__ that assigns self.experts; one that does not must hand over to its base's
-    found = None
-    for cls in _chain_or_any(moe, classes):
-        init = class_methods(cls).get("__init__")
-        if init is None:
-            continue
-        if m.findall(init, SELF_EXPERTS):
-            found = cls.name.value, init
-            break
-        super_init = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
-        if not m.findall(init, super_init):
-            break
-    if found is None:
-        raise RewriteError(
-            f"{moe}.__init__: no `self.experts = ...` in this file, so moe-rewrite cannot see the experts"
-        )
-    owner, init = found
-    where = f"{owner}.__init__"
-    assigns = [
-        cst.ensure_type(a, cst.Assign)
-        for a in m.findall(init, m.Assign(targets=[m.ZeroOrMore(), m.AssignTarget(SELF_EXPERTS), m.ZeroOrMore()]))
-    ]
-    if not assigns or len(m.findall(init, SELF_EXPERTS)) != len(assigns):
-        raise RewriteError(
-            f"{where}: the routed experts should be assigned as `self.experts = nn.ModuleList([...])` and not used "
-            "otherwise there"
-        )
-    names = set()
-    for assign in assigns:
-        value = assign.value
-        if not m.matches(value, m.Call(func=NN_MODULE_LIST)):
-            raise RewriteError(
-                f"{where}: `self.experts = {one_line(value)}` is not an nn.ModuleList, which moe-rewrite's grouped "
-                "experts need"
-            )
-        call = cst.ensure_type(value, cst.Call)
-        comp = call.args[0].value if len(call.args) == 1 and not call.args[0].keyword else None
-        if not isinstance(comp, (cst.ListComp, cst.GeneratorExp)):
-            raise RewriteError(
-                f"{where}: `self.experts = {one_line(value)}` should build its experts in one comprehension "
-                "(`nn.ModuleList([X(config, ...) for i in range(...)])`)"
-            )
-        expert = comp.elt
-        if isinstance(expert, cst.IfExp):
-            if not m.matches(expert.orelse, m.Name("None")) or not _in_ep_branch(init, assign):
-                raise RewriteError(
-                    f"{where}: `{one_line(expert)}`: a conditional expert is accepted only as "
-                    "`X(...) if ... else None` under `if ... ep_size > 1:`"
-                )
-            expert = expert.body
-        if not m.matches(expert, m.Call(func=m.Name())):
-            raise RewriteError(f"{where}: the expert `{one_line(expert)}` is not a call of an expert class")
-        name = cst.ensure_type(cst.ensure_type(expert, cst.Call).func, cst.Name).value
-        if name not in classes:
-            raise RewriteError(f"{where}: the expert class {name} is not defined in this file")
-        names.add(name)
-    if len(names) != 1:
-        raise RewriteError(f"{where}: the experts are built from different classes ({', '.join(sorted(names))})")
-    return names.pop()
-
-
-def _chain_or_any(name: str, classes: dict[str, cst.ClassDef]) -> list[cst.ClassDef]:
-    """The MoE class and the in-file bases it inherits from (its own base may be anything)."""
-    chain = [classes[name]]
-    while len(chain[-1].bases) == 1 and isinstance(chain[-1].bases[0].value, cst.Name):
-        base = classes.get(cst.ensure_type(chain[-1].bases[0].value, cst.Name).value)
-        if base is None or base in chain:
-            break
-        chain.append(base)
-    return chain
-
-
-# --- the expert class ----------------------------------------------------------------------------------------------
 
 
 def _check_class_bodies(chain: list[cst.ClassDef]) -> None:
@@ -450,19 +324,3 @@ def _check_methods(name: str, chain: list[cst.ClassDef]) -> tuple[str, str, str]
     _check_init(*found["__init__"], projections)  # type: ignore[misc]
     _check_forward(*found["forward"], projections)  # type: ignore[misc]
     return projections
-
-
-def transform(module: cst.Module, context: Context) -> cst.Module:
-    classes = top_classes(module)
-    moe = context.moe_class().name
-    # the MoE class and its in-file subclasses (one may build its experts from another class)
-    layers = [name for name in classes if classes[moe] in _chain_or_any(name, classes)]
-    experts = sorted({_expert_class(name, classes) for name in layers})
-    found = {check_expert_class(expert, classes) for expert in experts}
-    if len(found) != 1:
-        raise RewriteError(
-            f"{moe}: its expert classes name their gate, up and down projections differently "
-            f"({'; '.join(', '.join(names) for names in sorted(found))}); the generated code reads one set of names"
-        )
-    context.projections = found.pop()
-    return module

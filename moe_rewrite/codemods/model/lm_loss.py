@@ -36,7 +36,8 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods import MARK, Context, Field, code, replace, single_method, unbranched
+from moe_rewrite.codemods.kit import MARK, Context, Field, code, replace, single_method
+from moe_rewrite.codemods.model.branch import around, unbranched
 
 READS: tuple[Field, ...] = ()
 PROVIDES: tuple[Field, ...] = ("loss",)
@@ -170,17 +171,7 @@ def _branch(forward: cst.FunctionDef, region: _Region, module: cst.Module) -> cs
     statements = body[region.start : region.start + 4]
     b = region.bound
     text = BRANCH.format(labels=b["Y"], loss=b["LOSS"], logits=b["L"], hidden=b["H"])
-    branch = cst.ensure_type(
-        cst.parse_statement(text.replace("\n", module.default_newline), config=module.config_for_parsing), cst.If
-    )
-    first = statements[0]
-    orelse = cst.ensure_type(branch.orelse, cst.Else)
-    branch = branch.with_changes(
-        leading_lines=[*first.leading_lines, cst.EmptyLine(comment=cst.Comment(NOTE))],
-        orelse=orelse.with_changes(
-            body=orelse.body.with_changes(body=[first.with_changes(leading_lines=[]), *statements[1:]])
-        ),
-    )
+    branch = around(statements, text, NOTE, module)
     body[region.start : region.start + 4] = [branch]
     return forward.with_changes(body=forward.body.with_changes(body=body))
 

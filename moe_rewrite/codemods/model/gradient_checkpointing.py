@@ -29,7 +29,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods import Context, Field, replace
+from moe_rewrite.codemods.kit import Context, Field, find, replace
 from moe_rewrite.errors import RewriteError
 
 CHECKPOINTING_ON = m.BooleanOperation(
@@ -57,8 +57,8 @@ def _is_our_use_cache_guard(stmt: cst.CSTNode) -> bool:
 def _layer_loops(forward: cst.FunctionDef) -> list[cst.For]:
     return [
         cst.ensure_type(loop, cst.For)
-        for loop in m.findall(
-            forward, m.For(target=m.Name(), iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers")))
+        for loop in find(
+            forward, m.For(target=m.Name(), iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers"))), cst.For
         )
     ]
 
@@ -144,7 +144,7 @@ def _rewrite_forward(forward: cst.FunctionDef, enabled: bool, config: cst.Partia
 
 
 def _layer_loops_in(node: cst.CSTNode) -> bool:
-    return bool(m.findall(node, m.For(iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers")))))
+    return bool(find(node, m.For(iter=m.Attribute(value=m.Name("self"), attr=m.Name("layers"))), cst.For))
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:

@@ -1,0 +1,1 @@
+"""The file's uses of transformers APIs that later releases removed, guarded (docs/compatibility.md)."""

@@ -1,0 +1,56 @@
+"""What the codemods share: `Context` (context.py), the marker every generated statement carries and the tests for
+generated code (markers.py), syntax helpers (syntax.py), and the `Index` of what a file holds (index.py)."""
+
+from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
+from moe_rewrite.codemods.kit.index import Facts, Index, find, walk
+from moe_rewrite.codemods.kit.markers import (
+    GENERATED_PREFIXES,
+    LEGACY_CALLS,
+    MARK,
+    METHOD_MARK,
+    is_generated_method,
+    is_marked,
+    marked,
+)
+from moe_rewrite.codemods.kit.syntax import (
+    body_lines,
+    class_methods,
+    code,
+    first_line,
+    in_file_lineage,
+    one_line,
+    reads,
+    replace,
+    single_method,
+    top_classes,
+)
+
+__all__ = [
+    "GENERATED_PREFIXES",
+    "LEGACY_CALLS",
+    "MARK",
+    "METHOD_MARK",
+    "Codemod",
+    "CompatChanges",
+    "Context",
+    "Facts",
+    "Field",
+    "Form",
+    "Index",
+    "MoeClassInfo",
+    "body_lines",
+    "class_methods",
+    "code",
+    "find",
+    "first_line",
+    "in_file_lineage",
+    "is_generated_method",
+    "is_marked",
+    "marked",
+    "one_line",
+    "reads",
+    "replace",
+    "single_method",
+    "top_classes",
+    "walk",
+]
