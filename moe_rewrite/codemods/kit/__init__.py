@@ -1,0 +1,1 @@
+"""What the codemods share: the prover of published code (prove.py)."""
