@@ -223,3 +223,4 @@ def test_same_compares_a_node_with_sources_up_to_formatting():
     assert same(cst.parse_statement("x = f(a, b=1)  # c\n"), "x = f(a, b=1)")
     assert not same(cst.parse_statement("x = f(b=1, a=2)\n"), "x = f(a=2, b=1)")  # the keywords' order is proven
     assert not same(cst.parse_expression("a.b"), "a.c") and same(ast.parse("x = 1").body[0], "x = (1)")
+    assert not same(cst.parse_statement("x = 1; y = 2\n"), "x = 1")  # a line's every statement

@@ -80,7 +80,7 @@ class Proof:
 class Differs:
     """Where the file's statements first differ from the template."""
 
-    at: int  # the index of that statement (both lists are this long at least, or one ends there)
+    at: int  # the index of that statement in both lists (where one list ends first: its length)
     found: str | None  # its first line, None where the file's statements end first
     published: str | None  # the template's statement there, None where the template ends first
     why: str = ""  # the binding rule that failed, "" where the trees differ
@@ -107,8 +107,9 @@ def prove(
     proof = Proof(names=dict(bound or {}))
     if not set(proof.names) <= template.placeholders:
         raise ValueError(f"bound names that are not placeholders: {sorted(set(proof.names) - template.placeholders)}")
-    for name in sorted(set(proof.names.values()) & template.literals):
-        return _differs(template, statements, template.first_use(name), _literal(name))
+    literal = sorted(set(proof.names.values()) & template.literals, key=template.first_use)
+    if literal:
+        return _differs(template, statements, template.first_use(literal[0]), _literal(literal[0]))
     for i, tree in enumerate(template.trees):
         if i >= len(statements):
             return Differs(i, None, template.lines[i])
@@ -120,8 +121,10 @@ def prove(
         return Differs(len(template.trees), _shown(statements[len(template.trees)]), None)
     function = _function_tree(within) if within is not None else None
     local = bound_in(function.args, *function.body) if function is not None else set()
-    for name in sorted(template.literals & local, key=template.first_use):
-        return _differs(template, statements, template.first_use(name), f"`{name}` is bound in the function")
+    rebound = sorted(template.literals & local, key=template.first_use)
+    if rebound:
+        where = template.first_use(rebound[0])
+        return _differs(template, statements, where, f"`{rebound[0]}` is bound in the function")
     return proof
 
 
@@ -134,7 +137,7 @@ def prove_function(template: Template, function: Function) -> Proof | Differs:
     body = skip_docstring(list(function.body.body) if isinstance(function, cst.FunctionDef) else function.body)  # type: ignore[arg-type]
     if len(params) != len(template.params):
         return Differs(0, f"def {tree.name}({', '.join(params)})", f"({', '.join(template.params)})")
-    return prove(template, body, dict(zip(template.params, params)), within=function)
+    return prove(template, body, dict(zip(template.params, params)), within=tree)
 
 
 def closest(found: Iterable[Differs]) -> Differs:
@@ -145,13 +148,14 @@ def closest(found: Iterable[Differs]) -> Differs:
 def same(node: cst.CSTNode | ast.AST, *sources: str) -> bool:
     """Whether a statement or expression is one of `sources` up to formatting, comments and parentheses."""
     text = code(node) if isinstance(node, cst.CSTNode) else ast.unparse(node)
+    expression = isinstance(node, (cst.BaseExpression, ast.expr))
     try:
-        tree = _parsed(text.strip().rstrip(";"), isinstance(node, (cst.BaseExpression, ast.expr)))
+        tree = _parsed(text.strip().rstrip(";"), expression)  # a line's every statement (`a = 1; b = 2`: two)
     except SyntaxError:  # a cst node that is not code on its own
         return False
     for source in sources:
         try:
-            _unify(_parsed(source, isinstance(tree, ast.expr)), tree, None, Proof())
+            _unify(_parsed(source, expression), tree, None, Proof())
             return True
         except _Mismatch:
             continue
@@ -256,9 +260,9 @@ def _shown(statement: Statement) -> str:
 
 
 def _first(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    return lines[0] + (" ..." if len(lines) > 1 else "")
 
 
-def _parsed(source: str, expression: bool) -> ast.AST:
-    return ast.parse(source, mode="eval").body if expression else ast.parse(source).body[0]
+def _parsed(source: str, expression: bool) -> ast.AST | list[ast.stmt]:
+    return ast.parse(source, mode="eval").body if expression else ast.parse(source).body
