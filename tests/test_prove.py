@@ -159,8 +159,20 @@ def test_bound_names_carry_over_and_are_held_to_the_rule():
     assert isinstance(other, Differs) and "`w` and `scores` in the places of one published name" in other.why
     literal = prove(tail, statements[3:4], {"V": "torch"})
     assert isinstance(literal, Differs) and "reads `torch` itself" in literal.why
-    with pytest.raises(ValueError, match="not placeholders"):
+    with pytest.raises(ValueError, match="the template uses literally"):
         prove(tail, statements[3:4], {"torch": "torch"})
+    score = Template(CORE.lines[0], {"S", "Q", "K"}, {"SCALE"})
+    first = prove(score, statements[:1])  # a proof carried into the next template: its names and expressions
+    assert isinstance(first, Proof)
+    scaled = Template("O = torch.matmul(S, V) * SCALE", {"O", "S", "V"}, {"SCALE"})
+    again = prove(scaled, [cst.parse_statement("out = torch.matmul(scores, v) * (self.scale)\n")], first)
+    assert isinstance(again, Proof) and again.names["O"] == "out" and again.names["Q"] == "q"
+    for line, why in [
+        ("out = torch.matmul(scores, v) * self.other\n", "in the places of one published expression"),
+        ("q = torch.matmul(scores, v) * self.scale\n", "`q` in the places of two published names"),
+    ]:
+        found = prove(scaled, [cst.parse_statement(line)], first)
+        assert isinstance(found, Differs) and why in found.why, found
     with pytest.raises(ValueError, match="both a placeholder and a wildcard"):
         Template("x = y", {"x"}, {"x"})
 

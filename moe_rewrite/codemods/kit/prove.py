@@ -99,14 +99,15 @@ class _Mismatch(Exception):
 def prove(
     template: Template,
     statements: Sequence[Statement],
-    bound: Mapping[str, str] | None = None,
+    bound: Mapping[str, str] | Proof | None = None,
     within: Function | None = None,
 ) -> Proof | Differs:
-    """The bindings proving `statements` are the template's, one for one (`bound`: placeholders already bound), or
-    where they first differ; with `within`, the function holding them, which must not bind the template's literals."""
-    proof = Proof(names=dict(bound or {}))
-    if not set(proof.names) <= template.placeholders:
-        raise ValueError(f"bound names that are not placeholders: {sorted(set(proof.names) - template.placeholders)}")
+    """The bindings proving `statements` are the template's, one for one, or where they first differ. `bound`: names
+    already bound (or an earlier template's proof, its expressions too), held to the rule; `within`: the function
+    holding the statements, which must not bind the template's literals."""
+    proof = Proof(dict(bound.names), dict(bound.expressions)) if isinstance(bound, Proof) else Proof(dict(bound or {}))
+    if set(proof.names) & template.literals:
+        raise ValueError(f"bound names the template uses literally: {sorted(set(proof.names) & template.literals)}")
     literal = sorted(set(proof.names.values()) & template.literals, key=template.first_use)
     if literal:
         return _differs(template, statements, template.first_use(literal[0]), _literal(literal[0]))
