@@ -276,6 +276,22 @@ MUTATIONS = {
         "from mylib import CrossEntropyLoss\n",
         "not imported from torch.nn",
     ),
+    # accepted before the prover of codemods/kit: the forward's own CrossEntropyLoss, a statement after a `;`
+    "the loss class bound in forward": (
+        "        outputs = self.model(input_ids)\n",
+        "        outputs = self.model(input_ids)\n        CrossEntropyLoss = FocalLoss\n",
+        "are not the published loss: `CrossEntropyLoss` is bound in the function",
+    ),
+    "a second statement on a line": (
+        "        logits = logits.float()\n",
+        "        logits = logits.float(); logits = logits * 2\n",
+        "are not the published loss: 2 statements on one line",
+    ),
+    "labels rebound on a shared line": (
+        "        outputs = self.model(input_ids)\n",
+        "        outputs = self.model(input_ids); labels = input_ids\n",
+        "`labels` is reassigned before the loss",
+    ),
 }
 
 

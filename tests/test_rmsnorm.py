@@ -94,6 +94,12 @@ VARIANTS = {
         "        self.variance_epsilon = 0.0\n        input_dtype = hidden_states.dtype\n",
         "`self.variance_epsilon = 0.0` where the published norm has `input_dtype = hidden_states.dtype`",
     ),
+    # fused before the prover of codemods/kit, which compared only a line's first statement
+    "a second statement on a line": (
+        "        input_dtype = hidden_states.dtype\n",
+        "        input_dtype = hidden_states.dtype; hidden_states = hidden_states * 2\n",
+        "where the published norm has `input_dtype = hidden_states.dtype` (2 statements on one line)",
+    ),
 }
 
 

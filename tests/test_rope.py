@@ -132,6 +132,12 @@ VARIANTS = {
         "\nrotate_half = None\n\n\ndef apply_rotary_pos_emb",
         "apply_rotary_pos_emb or rotate_half is also bound by another module-level statement",
     ),
+    # fused before the prover of codemods/kit, which compared only a line's first statement
+    "a second statement on a line": (
+        "    sin = sin[position_ids].unsqueeze(unsqueeze_dim)\n",
+        "    sin = sin[position_ids].unsqueeze(unsqueeze_dim); sin = -sin\n",
+        "has `sin = sin[position_ids].unsqueeze(unsqueeze_dim)` (2 statements on one line)",
+    ),
 }
 
 

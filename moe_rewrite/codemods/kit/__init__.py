@@ -1,5 +1,6 @@
 """What the codemods share: `Context` (context.py), the marker every generated statement carries and the tests for
-generated code (markers.py), syntax helpers (syntax.py), and the `Index` of what a file holds (index.py)."""
+generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), and the one
+prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's)."""
 
 from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
 from moe_rewrite.codemods.kit.index import Facts, Index, find, walk

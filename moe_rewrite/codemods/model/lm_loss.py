@@ -37,6 +37,7 @@ import ast
 import libcst as cst
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, code, replace, single_method
+from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove
 from moe_rewrite.codemods.model.branch import around, unbranched
 
 READS: tuple[Field, ...] = ()
@@ -53,8 +54,9 @@ BRANCH = (
 DONE = "logits None in training with labels; config.moe_rewrite_fused_loss = False keeps them"
 
 # The published statements, in capitals the names they bind: L the logits, H the hidden states, LOSS, Y the labels,
-# SL / SY the shifted logits and labels, F the loss module. The loss class in its three spellings.
-PLACEHOLDERS = {"L", "H", "LOSS", "Y", "SL", "SY", "F"}
+# SL / SY the shifted logits and labels, F the loss module; `self` is the forward's. The loss class in its three
+# spellings, read as the globals the published file imports.
+PLACEHOLDERS = {"L", "H", "LOSS", "Y", "SL", "SY", "F", "self"}
 PUBLISHED = """\
 L = self.lm_head(H)
 L = L.float()
@@ -69,41 +71,7 @@ if Y is not None:
     LOSS = F(SL, SY)
 """
 LOSS_CLASSES = ("CrossEntropyLoss", "nn.CrossEntropyLoss", "torch.nn.CrossEntropyLoss")
-TEMPLATES = {name: ast.parse(PUBLISHED.format(loss_class=name)).body for name in LOSS_CLASSES}
-IGNORED_FIELDS = {"ctx", "lineno", "col_offset", "end_lineno", "end_col_offset", "type_comment", "kind"}
-
-
-class _NoMatch(Exception):
-    pass
-
-
-def _unify(template: object, node: object, bound: dict[str, str]) -> None:
-    """Raises _NoMatch unless `node` is `template` with its placeholders bound to names consistently (one name each,
-    two placeholders never to one name)."""
-    if isinstance(template, ast.Name) and template.id in PLACEHOLDERS:
-        if not isinstance(node, ast.Name):
-            raise _NoMatch
-        if bound.get(template.id, node.id) != node.id:
-            raise _NoMatch
-        if template.id not in bound and node.id in bound.values():
-            raise _NoMatch
-        bound[template.id] = node.id
-        return
-    if isinstance(template, list):
-        if not isinstance(node, list) or len(node) != len(template):
-            raise _NoMatch
-        for t, n in zip(template, node):
-            _unify(t, n, bound)
-        return
-    if isinstance(template, ast.AST):
-        if type(node) is not type(template):
-            raise _NoMatch
-        for name, value in ast.iter_fields(template):
-            if name not in IGNORED_FIELDS:
-                _unify(value, getattr(node, name, None), bound)
-        return
-    if type(template) is not type(node) or template != node:
-        raise _NoMatch
+TEMPLATES = {name: Template(PUBLISHED.format(loss_class=name), PLACEHOLDERS) for name in LOSS_CLASSES}
 
 
 def _loss_class_imported(module: cst.Module) -> bool:
@@ -125,22 +93,21 @@ class _Region:
 def _find_region(forward: cst.FunctionDef, module: cst.Module) -> _Region | str:
     """Where the forward's published loss starts (four statements), or why there is none (one line)."""
     body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
-    trees = [ast.parse(code(stmt)).body[0] for stmt in body]
+    trees = [ast.parse(code(stmt)) for stmt in body]  # each line whole: `a = 1; labels = b` is two statements
     starts = [i for i, t in enumerate(trees) if "self.lm_head(" in ast.unparse(t)]
     if len(starts) != 1:
         return "its forward does not call `self.lm_head(...)` in exactly one statement"
     start = starts[0]
-    region = trees[start : start + 4]
-    for name, template in TEMPLATES.items():
-        bound: dict[str, str] = {}
-        try:
-            _unify(template, region, bound)
-        except _NoMatch:
+    found = {name: prove(t, body[start : start + 4], {"self": "self"}, within=forward) for name, t in TEMPLATES.items()}
+    for name, proof in found.items():
+        if not isinstance(proof, Proof):
             continue
         if name == "CrossEntropyLoss" and not _loss_class_imported(module):
             return "`CrossEntropyLoss` is not imported from torch.nn"
-        return _check_surroundings(forward, trees, start, bound)
-    return f"the statements from `{ast.unparse(trees[start])}` on are not the published loss"
+        return _check_surroundings(forward, trees, start, proof.names)
+    differs = closest(d for d in found.values() if isinstance(d, Differs))
+    why = f": {differs.why}" if differs.why else ""
+    return f"the statements from `{ast.unparse(trees[start])}` on are not the published loss{why}"
 
 
 def _loads(name: ast.Name) -> bool:

@@ -33,7 +33,8 @@ import itertools
 
 import libcst as cst
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, first_line, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, replace
+from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove_function
 from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
@@ -70,23 +71,8 @@ def _templates() -> list[list[str]]:
     return found
 
 
-TEMPLATES = _templates()
-
-
-def _canonical(body: list[ast.stmt], param: str) -> list[str]:
-    """Each statement's syntax tree with the input named X and the other locals L0, L1, ... in order of first use:
-    two bodies that differ only in the names of locals give the same list."""
-    stored = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    names = {param: "X"}
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, node: ast.Name) -> ast.Name:
-            if node.id in stored or node.id == param:
-                names.setdefault(node.id, f"L{len(names) - 1}")
-                return ast.Name(id=names[node.id], ctx=node.ctx)
-            return node
-
-    return [ast.dump(Rename().visit(s)) for s in body]
+# proven up to the names of locals: the input (bound to the forward's) and the names the body binds
+TEMPLATES = [Template("\n".join(lines), params=("self", "hidden_states")) for lines in _templates()]
 
 
 def _has_docstring(fn: cst.FunctionDef) -> bool:
@@ -111,24 +97,10 @@ def _find_norm(cls: cst.ClassDef, forward: cst.FunctionDef) -> str | None:
         return "its forward does not take `(self, hidden_states)` alone"
     if not isinstance(forward.body, cst.IndentedBlock):
         return "its forward's body is on the `def` line"
-    statements = list(forward.body.body)[1 if _has_docstring(forward) else 0 :]
-    trees = [ast.parse(code(s)).body[0] for s in statements]
-    got = _canonical(trees, x)
-    best = None
-    for template in TEMPLATES:
-        want = _canonical([ast.parse(line).body[0] for line in template], "hidden_states")
-        if got == want:
-            return _check_init(cls)
-        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        if best is None or same > best[0]:
-            best = (same, template)
-    same, template = best  # type: ignore[misc]
-    if same < len(statements):
-        found = f"`{first_line(statements[same])}`"
-    else:
-        found = "the end of forward"
-    published = f"`{template[same]}`" if same < len(template) else "nothing more"
-    return f"{found} where the published norm has {published}"
+    found = [prove_function(template, forward) for template in TEMPLATES]
+    if any(isinstance(proof, Proof) for proof in found):
+        return _check_init(cls)
+    return closest(d for d in found if isinstance(d, Differs)).describe("norm", "the end of forward")
 
 
 def _assigned(node: cst.CSTNode, attr: str) -> list[ast.AST]:

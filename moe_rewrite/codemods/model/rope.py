@@ -31,7 +31,8 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, Index, code, first_line, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, Index, replace
+from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove_function
 from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
@@ -48,7 +49,7 @@ APPLY = "apply_rotary_pos_emb"
 PARAMS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 
 # rotate_half(x): the published spelling, then the stand-in fixtures' (one local for the half)
-ROTATE_TEMPLATES = [
+ROTATE_LINES = [
     [
         "x1 = x[..., : x.shape[-1] // 2]",
         "x2 = x[..., x.shape[-1] // 2 :]",
@@ -75,23 +76,10 @@ ROTATION = [
     "k_embed = (k * cos) + (rotate_half(k) * sin)",
     "return q_embed, k_embed",
 ]
-APPLY_TEMPLATES = {True: TABLES + DEINTERLEAVE + ROTATION, False: TABLES + ROTATION}  # interleaved -> body
-
-
-def _canonical(body: list[ast.stmt], params: list[str]) -> list[str]:
-    """Each statement's syntax tree with the parameters named P0, P1, ... in order and the other locals L0, L1, ...
-    in order of first use: two bodies that differ only in names of locals give the same list."""
-    stored = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    names = {p: f"P{i}" for i, p in enumerate(params)}
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, node: ast.Name) -> ast.Name:
-            if node.id in stored or node.id in names:
-                names.setdefault(node.id, f"L{len(names) - len(params)}")
-                return ast.Name(id=names[node.id], ctx=node.ctx)
-            return node
-
-    return [ast.dump(Rename().visit(s)) for s in body]
+APPLY_LINES = {True: TABLES + DEINTERLEAVE + ROTATION, False: TABLES + ROTATION}  # interleaved -> body
+# proven up to the names of locals: the parameters (bound to the function's by position) and the names the body binds
+ROTATE_TEMPLATES = [Template("\n".join(lines), params=("x",)) for lines in ROTATE_LINES]
+APPLY_TEMPLATES = {interleaved: Template("\n".join(lines), params=PARAMS) for interleaved, lines in APPLY_LINES.items()}
 
 
 def _params(fn: cst.FunctionDef, count: int) -> list[str] | None:
@@ -112,31 +100,14 @@ def _params(fn: cst.FunctionDef, count: int) -> list[str] | None:
     return [p.name.value for p in params.params]
 
 
-def _statements(fn: cst.FunctionDef) -> list[cst.BaseStatement] | None:
-    """The body's statements after a docstring, None where the body is on the `def` line."""
+def _differs(fn: cst.FunctionDef, templates: list[Template], what: str) -> str | None:
+    """Why the function's body is none of the templates (proven up to the names of locals), or None where it is one."""
     if not isinstance(fn.body, cst.IndentedBlock):
-        return None
-    return list(fn.body.body)[1 if fn.get_docstring() is not None else 0 :]
-
-
-def _differs(fn: cst.FunctionDef, templates: list[list[str]], params: list[str], what: str) -> str | None:
-    """Why the function's body is none of the templates (written in `params`' names), or None where it is one."""
-    statements = _statements(fn)
-    if statements is None:
         return "its body is on the `def` line"
-    got = _canonical([ast.parse(code(s)).body[0] for s in statements], [p.name.value for p in fn.params.params])
-    best = None
-    for template in templates:
-        want = _canonical([ast.parse(line).body[0] for line in template], params)
-        if got == want:
-            return None
-        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        if best is None or same > best[0]:
-            best = (same, template)
-    same, template = best  # type: ignore[misc]
-    found = f"`{first_line(statements[same])}`" if same < len(statements) else "the end of the function"
-    published = f"`{template[same]}`" if same < len(template) else "nothing more"
-    return f"{found} where the published {what} has {published}"
+    found = [prove_function(template, fn) for template in templates]
+    if any(isinstance(proof, Proof) for proof in found):
+        return None
+    return closest(d for d in found if isinstance(d, Differs)).describe(what, "the end of the function")
 
 
 def _functions(module: cst.Module, name: str) -> list[cst.FunctionDef]:
@@ -169,13 +140,13 @@ def _find_rope(module: cst.Module, index: Index) -> tuple[cst.FunctionDef | None
         return fn, None, f"{APPLY} or {ROTATE} is also bound by another module-level statement"
     if _params(rotates[0], 1) is None:
         return fn, None, f"{ROTATE} does not take `(x)` alone"
-    reason = _differs(rotates[0], ROTATE_TEMPLATES, ["x"], ROTATE)
+    reason = _differs(rotates[0], ROTATE_TEMPLATES, ROTATE)
     if reason is not None:
         return fn, None, f"{ROTATE}: {reason}"
     if _params(fn, len(PARAMS)) is None:
         return fn, None, "it does not take `(q, k, cos, sin, position_ids, unsqueeze_dim=1)` alone"
     order = [True, False]
-    reasons = [_differs(fn, [APPLY_TEMPLATES[i]], list(PARAMS), APPLY) for i in order]
+    reasons = [_differs(fn, [APPLY_TEMPLATES[i]], APPLY) for i in order]
     for interleaved, reason in zip(order, reasons):
         if reason is None:
             return fn, interleaved, None
