@@ -9,7 +9,7 @@ bf16 checkpoint (a few percent of V3's weights). Generated where the checkpoint'
 
 import torch
 
-from ..moe.grouped_linear import _moe_rewrite_dequantize
+from ..moe.grouped_linear import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
 from .expert_linears import _moe_rewrite_projections
 
 
@@ -25,11 +25,12 @@ def _moe_rewrite_fp8_linear(module):
     if weight is None or scale is None or weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         return None
     out, inner = weight.shape
-    blocks = (-(-out // 128), -(-inner // 128))
-    block_size = getattr(module, "block_size", None) or (128, 128)
+    block = MOE_REWRITE_FP8_BLOCK
+    blocks = (-(-out // block), -(-inner // block))
+    block_size = getattr(module, "block_size", None) or (block, block)
     if set(params) != {"weight", "weight_scale_inv"} or any(b is not None for b in module._buffers.values()):
         return None
-    if tuple(block_size) != (128, 128) or tuple(scale.shape) != blocks or not scale.is_floating_point():
+    if tuple(block_size) != (block, block) or tuple(scale.shape) != blocks or not scale.is_floating_point():
         return None
     return weight, scale
 
@@ -48,10 +49,11 @@ def _moe_rewrite_fp8_experts(experts):
     codes = tuple([f[0] for f in column] for column in found)
     scales = tuple([f[1] for f in column] for column in found)
     inter, hidden = codes[0][0].shape
-    if inter % 128 or hidden % 128:
+    block = MOE_REWRITE_FP8_BLOCK
+    if inter % block or hidden % block:
         raise RuntimeError(
             f"FP8 experts of intermediate size {inter} and hidden size {hidden}: fused FP8 experts need whole "
-            "128 x 128 blocks"
+            f"{block} x {block} blocks"
         )
     shapes = {(0, tuple(w.shape)) for w in codes[0] + codes[1]} | {(2, tuple(w.shape)) for w in codes[2]}
     if shapes != {(0, (inter, hidden)), (2, (hidden, inter))}:

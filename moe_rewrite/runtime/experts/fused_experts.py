@@ -83,7 +83,7 @@ class _MoeRewriteFusedExperts(torch.nn.Module):
 
     def extra_repr(self):
         experts, double_inter, hidden = self.gate_up_proj.shape
-        fp8 = ", fp8 (128 x 128 blocks)" if self.moe_rewrite_fp8() else ""
+        fp8 = ", fp8 (block-quantized)" if self.moe_rewrite_fp8() else ""
         return f"experts={experts}, hidden={hidden}, intermediate={double_inter // 2}{fp8}"
 
     def moe_rewrite_fp8(self):

@@ -6,7 +6,7 @@ step. Always generated (with fused_experts.py).
 
 import torch
 
-from ..moe.grouped_linear import _moe_rewrite_dequantize
+from ..moe.grouped_linear import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
 from .expert_linears import MOE_REWRITE_PROJECTIONS
 from .fp8_experts import _MoeRewriteDequantized
 
@@ -70,7 +70,8 @@ class _MoeRewriteExpertProjection(torch.nn.Linear):
             if self.rows is None:
                 scale = experts.down_proj_scale_inv[self.index]
             else:
-                scale = experts.gate_up_proj_scale_inv[self.index, self.rows.start // 128 : self.rows.stop // 128]
+                block = MOE_REWRITE_FP8_BLOCK
+                scale = experts.gate_up_proj_scale_inv[self.index, self.rows.start // block : self.rows.stop // block]
             real = _moe_rewrite_dequantize(self.codes(), scale, experts.dequantized_dtype)
             return torch.Tensor._make_subclass(_MoeRewriteDequantized, real)
         return self.codes()

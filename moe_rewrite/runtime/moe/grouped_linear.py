@@ -92,7 +92,11 @@ class _MoeRewriteExpertWeight:
 
 
 # generated with: fp8-experts
-def _moe_rewrite_dequantize(weight, scale, dtype, block=128):
+MOE_REWRITE_FP8_BLOCK = 128  # the side of FP8 checkpoints' square scale blocks (weight_block_size [128, 128])
+
+
+# generated with: fp8-experts
+def _moe_rewrite_dequantize(weight, scale, dtype, block=MOE_REWRITE_FP8_BLOCK):
     """FP8 block-quantized weights as real numbers: `weight` (..., out, in) holds the codes (float8_e4m3fn, or any
     dtype holding them exactly), `scale` (..., ceil(out / block), ceil(in / block)) each block's scale (the
     checkpoint's weight_scale_inv, a multiplier despite its name): codes times their block's scale in float32, rounded
