@@ -16,7 +16,7 @@ from moe_rewrite import rewrite_source
 from moe_rewrite.codemods.kit import MARK
 
 ROOT = Path(__file__).resolve().parent.parent
-STAND_IN = ROOT / "moe_rewrite" / "runtime" / "compat_llama_attention.py"
+STAND_IN = ROOT / "moe_rewrite" / "runtime" / "compat" / "compat_llama_attention.py"
 
 
 def test_the_module_the_wrapper_imports_is_rewritten_and_nothing_else(tmp_path):

@@ -99,7 +99,7 @@ class Model:
             # generated without: fp8-experts
             raise ValueError(
                 "moe-rewrite: this checkpoint is FP8 block-quantized (its config's quantization_config), and this file "
-                "was rewritten without FP8 experts: rewrite it from the checkpoint's config.json, or with --fp8-experts"
+                "was rewritten without FP8 experts: rewrite it from the checkpoint's directory, or with --fp8-experts"
             )
         model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
         unexpected = info.get("unexpected_keys", ())
