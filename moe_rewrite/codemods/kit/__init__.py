@@ -2,7 +2,17 @@
 generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), and the one
 prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's)."""
 
-from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
+from moe_rewrite.codemods.kit.context import (
+    ACCESSORS,
+    SHARED,
+    Codemod,
+    CompatChanges,
+    Context,
+    Field,
+    Form,
+    MoeClassInfo,
+    Note,
+)
 from moe_rewrite.codemods.kit.index import Facts, Index, find, walk
 from moe_rewrite.codemods.kit.markers import (
     GENERATED_PREFIXES,
@@ -27,6 +37,8 @@ from moe_rewrite.codemods.kit.syntax import (
 )
 
 __all__ = [
+    "ACCESSORS",
+    "SHARED",
     "GENERATED_PREFIXES",
     "LEGACY_CALLS",
     "MARK",
@@ -39,6 +51,7 @@ __all__ = [
     "Form",
     "Index",
     "MoeClassInfo",
+    "Note",
     "body_lines",
     "class_methods",
     "code",
