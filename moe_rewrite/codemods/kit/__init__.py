@@ -1,6 +1,7 @@
 """What the codemods share: `Context` (context.py), the marker every generated statement carries and the tests for
-generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), and the one
-prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's)."""
+generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), the one
+prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's), and the
+normalised trees moe_infer's fingerprints are taken of (normalise.py, imported from there too)."""
 
 from moe_rewrite.codemods.kit.context import (
     ACCESSORS,
