@@ -96,3 +96,20 @@ def test_a_note_is_its_summary_line():
     assert str(left) == "attention: DeepseekV3Attention left as published: it does not keep `self.config`"
     done = kit.Note("norm", "A, B", True, "fused RMSNorm in A, B (Triton on CUDA; the published norm elsewhere)")
     assert str(done) == "norm: fused RMSNorm in A, B (Triton on CUDA; the published norm elsewhere)"
+
+
+def test_the_cli_prints_notes_by_their_fields(capsys):
+    """Left as published: always said; rewritten: with -v only, whatever the note's text says."""
+    from moe_rewrite.cli import Reporter
+    from moe_rewrite.options import RewriteOptions
+    from moe_rewrite.rewrite import RewriteResult
+
+    notes = (kit.Note("rope", "f", True, "fused f, not left as published: (a test)"), kit.Note("norm", "N", False, "x"))
+    result = RewriteResult("", False, "v3", "MoE", "Gate", RewriteOptions(), notes=notes)
+    assert result.rope == ("rope: fused f, not left as published: (a test)",) and result.attention == ()
+    Reporter(0).attention(result)
+    assert capsys.readouterr().err == "  norm: N left as published: x\n"
+    Reporter(1).attention(result)
+    assert (
+        capsys.readouterr().err == "  rope: fused f, not left as published: (a test)\n  norm: N left as published: x\n"
+    )
