@@ -85,11 +85,11 @@ class Reporter:
         RoPE."""
         for line in result.chosen:  # an option the file needs, chosen for it: always said
             self.info(f"  {line}")
-        for line in (*result.attention, *result.loss, *result.norm, *result.rope):
-            if " left as published: " in line:
-                self.info(f"  {line}")
+        for note in result.notes:
+            if note.rewritten:
+                self.detail(f"  {note}")
             else:
-                self.detail(f"  {line}")
+                self.info(f"  {note}")
 
     def summary(self, would: bool) -> None:
         """One line: how many files were (or would be) rewritten, left unchanged, skipped and failed."""

@@ -18,7 +18,7 @@ import libcst as cst
 
 from moe_rewrite.codemods import block
 from moe_rewrite.codemods.compat import compat
-from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field, Form
+from moe_rewrite.codemods.kit import MARK, Codemod, Context, Field, Form, Note
 from moe_rewrite.codemods.model import (
     attention,
     attention_mask,
@@ -57,14 +57,7 @@ CODEMODS: list[Codemod] = [
 # The codemods that decide whether the MoE layer can be rewritten: their reasons for refusing a file come first, as
 # the others' (compat, attention, ...) only matter once the MoE layer can be rewritten.
 MOE_FORM: tuple[Codemod, ...] = (moe_forward, expert_mlp, gate, expert_layout, block)
-RESULT_READS: tuple[Field, ...] = (
-    "moe",
-    "compat",
-    "attention",
-    "loss",
-    "norm",
-    "rope",
-)  # what rewrite_source reads from the context after them
+RESULT_READS: tuple[Field, ...] = ("moe", "compat", "notes")  # what rewrite_source reads from the context after them
 DEEP_RECURSION = 20_000  # Python-to-Python calls take no C stack from 3.11 on, so this is safe there
 
 
@@ -95,10 +88,31 @@ class RewriteResult:
     chosen: tuple[str, ...] = ()  # the options chosen for the file (an explicit option it needs), a line each
     compat: str = ""  # what the compat codemod changed, for the summary ("compat: 2 imports guarded, ...")
     sections: tuple[str, ...] = ()  # the generated code's sections (render.SECTIONS names)
-    attention: tuple[str, ...] = ()  # what the attention codemod did, or left as published and why, a line each
-    loss: tuple[str, ...] = ()  # what the lm_loss codemod did, or left as published and why, a line each
-    norm: tuple[str, ...] = ()  # what the rmsnorm codemod did, or left as published and why, a line each
-    rope: tuple[str, ...] = ()  # what the rope codemod did, or left as published and why, a line each
+    # what the whole-model codemods did, or left as published and why, a note each (str(note): its summary line)
+    notes: tuple[Note, ...] = ()
+
+    def _lines(self, *concerns: str) -> tuple[str, ...]:
+        return tuple(str(note) for note in self.notes if note.concern in concerns)
+
+    @property
+    def attention(self) -> tuple[str, ...]:
+        """The attention and attention mask codemods' lines (the notes' text)."""
+        return self._lines("attention", "attention mask")
+
+    @property
+    def loss(self) -> tuple[str, ...]:
+        """The lm_loss codemod's lines."""
+        return self._lines("loss")
+
+    @property
+    def norm(self) -> tuple[str, ...]:
+        """The rmsnorm codemod's lines."""
+        return self._lines("norm")
+
+    @property
+    def rope(self) -> tuple[str, ...]:
+        """The rope codemod's lines."""
+        return self._lines("rope")
 
 
 def rewrite_source(text: str, options: RewriteOptions | None = None, config: dict | None = None) -> RewriteResult:
@@ -145,10 +159,7 @@ def rewrite_source(text: str, options: RewriteOptions | None = None, config: dic
         chosen=tuple(context.chosen),
         compat=context.compat_changes().describe(),
         sections=tuple(sorted(context.sections)),
-        attention=tuple(context.attention_lines()),
-        loss=tuple(context.loss_lines()),
-        norm=tuple(context.norm_lines()),
-        rope=tuple(context.rope_lines()),
+        notes=tuple(context.notes),
     )
 
 

@@ -778,6 +778,25 @@ def _attention_mutations() -> list[Mutation]:
             (_before(SCORE_START, "        attention_mask = attention_mask * 1\n"),),
             attention=LEFT + "`attention_mask` is reassigned before the core",
         ),
+        Mutation(  # a line's second statement, not hidden behind the proven softmax (kit/prove.py)
+            "v3",
+            "attention_second_statement_on_a_line",
+            "exact",
+            (
+                (
+                    "        ).to(query_states.dtype)\n",
+                    "        ).to(query_states.dtype); attn_weights = attn_weights * 2\n",
+                ),
+            ),
+            attention=LEFT + "`attn_weights = nn.functional.softmax(",
+        ),
+        Mutation(  # a global the core reads, bound in the forward (kit/prove.py)
+            "v3",
+            "attention_nn_bound_in_forward",
+            "exact",
+            (_before(SCORE_START, "        from torch import nn\n"),),
+            attention=LEFT + "`attn_weights = nn.functional.softmax(",
+        ),
     ]
 
 

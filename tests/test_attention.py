@@ -385,6 +385,34 @@ LEFT = {
         "        self.heads",
         "it does not keep `self.config`",
     ),
+    # the kit's rules (kit/prove.py): a line's second statement is not hidden behind a proven first one, and the
+    # globals the core reads are not bound in the forward
+    "a second statement on the softmax's line": (
+        SOFTMAX,
+        SOFTMAX.replace("\n", "; scores = scores * 2\n"),
+        "`scores = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype); scores = scores * 2` "
+        "where the published core has the fp32 softmax `.to(Q.dtype)` (2 statements on one line)",
+    ),
+    "a second statement on the score's line": (
+        SCORES,
+        SCORES.replace("\n", "; scores = scores * 2\n"),
+        "are not `torch.matmul(Q, K.transpose(2, 3))` times a scale (2 statements on one line)",
+    ),
+    "the mask reassigned on a shared line": (
+        SCORES,
+        "        n = n; attention_mask = attention_mask * 2\n" + SCORES,
+        "`attention_mask` is reassigned before the core",
+    ),
+    "nn bound in the forward": (
+        SCORES,
+        "        nn = self.functions\n" + SCORES,
+        "where the published core has the fp32 softmax `.to(Q.dtype)` (`nn` is bound in the function)",
+    ),
+    "torch imported in the forward": (
+        SCORES,
+        "        import numpy as torch\n" + SCORES,
+        "times a scale (`torch` is bound in the function)",
+    ),
 }
 
 

@@ -481,7 +481,7 @@ def test_each_codemod_reads_only_what_an_earlier_one_provides():
     with pytest.raises(InternalError, match=r"\.gate reads moe, which no codemod before it provides"):
         check_order([gate, moe_forward], RESULT_READS)
     unprovided = ", ".join(sorted(set(RESULT_READS) - set(moe_forward.PROVIDES)))
-    assert "attention" in unprovided and "compat" in unprovided
+    assert "notes" in unprovided and "compat" in unprovided
     with pytest.raises(InternalError, match=f"the result reads {unprovided}, which no codemod provides"):
         check_order([moe_forward], RESULT_READS)
     reads_nothing = types.SimpleNamespace(__name__="late", READS=("moe",), PROVIDES=())

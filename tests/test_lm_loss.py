@@ -238,7 +238,7 @@ def _snippet_forward(text: str) -> tuple[str, list[str]]:
     from moe_rewrite.codemods.model import lm_loss as codemod
 
     context = Context(RewriteOptions())
-    return codemod.transform(cst.parse_module(text), context).code, context.loss
+    return codemod.transform(cst.parse_module(text), context).code, [str(note) for note in context.notes]
 
 
 def test_the_published_loss_goes_into_the_else_of_a_fused_branch():

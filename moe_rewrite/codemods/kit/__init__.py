@@ -1,8 +1,19 @@
 """What the codemods share: `Context` (context.py), the marker every generated statement carries and the tests for
-generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), and the one
-prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's)."""
+generated code (markers.py), syntax helpers (syntax.py), the `Index` of what a file holds (index.py), the one
+prover of published code (prove.py: imported from there, as it is the codemods' and not the Context's), and the
+normalised trees moe_infer's fingerprints are taken of (normalise.py, imported from there too)."""
 
-from moe_rewrite.codemods.kit.context import Codemod, CompatChanges, Context, Field, Form, MoeClassInfo
+from moe_rewrite.codemods.kit.context import (
+    ACCESSORS,
+    SHARED,
+    Codemod,
+    CompatChanges,
+    Context,
+    Field,
+    Form,
+    MoeClassInfo,
+    Note,
+)
 from moe_rewrite.codemods.kit.index import Facts, Index, find, walk
 from moe_rewrite.codemods.kit.markers import (
     GENERATED_PREFIXES,
@@ -27,6 +38,8 @@ from moe_rewrite.codemods.kit.syntax import (
 )
 
 __all__ = [
+    "ACCESSORS",
+    "SHARED",
     "GENERATED_PREFIXES",
     "LEGACY_CALLS",
     "MARK",
@@ -39,6 +52,7 @@ __all__ = [
     "Form",
     "Index",
     "MoeClassInfo",
+    "Note",
     "body_lines",
     "class_methods",
     "code",

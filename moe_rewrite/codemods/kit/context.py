@@ -64,8 +64,35 @@ class CompatChanges:
         return f"compat: {', '.join(parts)}" if parts else ""
 
 
-# the Context fields one codemod fills for the later ones
-Field = Literal["moe", "projections", "compat", "attention", "loss", "norm", "rope"]
+@dataclass(frozen=True)
+class Note:
+    """What a whole-model codemod did with one class or function, or left as published and why: one summary line
+    (`str`). The CLI prints a note left as published always, one rewritten with -v; a codemod reads another's notes
+    by these fields, never by their text."""
+
+    concern: str  # what it is about: "attention", "attention mask", "loss", "norm", "rope"
+    subject: str  # the class or function (for a rewritten note, those rewritten, ", "-joined)
+    rewritten: bool  # False: left as published
+    why: str  # why it was left as published, or (rewritten) the whole line after the concern: what was done
+
+    def __str__(self) -> str:
+        if self.rewritten:
+            return f"{self.concern}: {self.why}"
+        return f"{self.concern}: {self.subject} left as published: {self.why}"
+
+
+# the Context fields one codemod fills for the later ones (notes: each codemod appends its own), in READS / PROVIDES
+Field = Literal["moe", "projections", "compat", "notes", "sdpa_classes"]
+# the Context's shared parts, which every codemod may use without declaring them
+SHARED = frozenset({"options", "sections", "chosen", "rendered", "index", "need_per_expert_layers"})
+# the Context's methods that read a Field (they raise InternalError where no codemod filled it yet)
+ACCESSORS: dict[str, Field] = {
+    "moe_class": "moe",
+    "expert_projections": "projections",
+    "section": "projections",
+    "compat_changes": "compat",
+    "sdpa_selected": "sdpa_classes",
+}
 
 
 @dataclass
@@ -79,11 +106,10 @@ class Context:
     # filled by expert_mlp: the routed experts' (gate, up, down) projection names, read from their forward's use
     projections: tuple[str, str, str] | None = None
     compat: CompatChanges | None = None  # filled by compat
-    attention: list[str] | None = None  # filled by attention: its summary lines
-    loss: list[str] | None = None  # filled by lm_loss: its summary lines
-    norm: list[str] | None = None  # filled by rmsnorm: its summary lines
-    sdpa_classes: list[str] = field(default_factory=list)  # filled by attention: the classes "sdpa" selects (rewritten)
-    rope: list[str] | None = None  # filled by rope: its summary lines
+    # what the whole-model codemods (attention, attention_mask, lm_loss, rmsnorm, rope) did or left, in CODEMODS order
+    notes: list[Note] = field(default_factory=list)
+    # filled by attention: the classes "sdpa" selects, rewritten to run SDPA (None before attention runs)
+    sdpa_classes: tuple[str, ...] | None = None
     rendered: dict[str, Section] = field(default_factory=dict)
     index: Index = field(default_factory=Index)
 
@@ -117,25 +143,10 @@ class Context:
             raise InternalError("the MoE class was read before moe_forward found it")
         return self.moe
 
-    def attention_lines(self) -> list[str]:
-        if self.attention is None:
-            raise InternalError("the attention lines were read before the attention codemod ran")
-        return self.attention
-
-    def loss_lines(self) -> list[str]:
-        if self.loss is None:
-            raise InternalError("the loss lines were read before the lm_loss codemod ran")
-        return self.loss
-
-    def norm_lines(self) -> list[str]:
-        if self.norm is None:
-            raise InternalError("the norm lines were read before the rmsnorm codemod ran")
-        return self.norm
-
-    def rope_lines(self) -> list[str]:
-        if self.rope is None:
-            raise InternalError("the rope lines were read before the rope codemod ran")
-        return self.rope
+    def sdpa_selected(self) -> tuple[str, ...]:
+        if self.sdpa_classes is None:
+            raise InternalError("the SDPA classes were read before the attention codemod ran")
+        return self.sdpa_classes
 
     def compat_changes(self) -> CompatChanges:
         if self.compat is None:

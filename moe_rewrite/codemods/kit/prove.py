@@ -9,7 +9,7 @@ name that is not a placeholder. It returns the bindings (`Proof`) or where the c
     published = Template("L = self.lm_head(H)\\nL = L.float()", placeholders={"self", "L", "H"})
     found = prove(published, statements, bound={"self": "self"}, within=forward)
     if isinstance(found, Differs):  # "`logits = logits.half()` where the published loss has `L = L.float()`"
-        notes.append(f"loss: {name} left as published: {found.describe('loss', 'the end of forward')}")
+        context.notes.append(Note("loss", name, False, found.describe("loss", "the end of forward")))
     else:
         logits = found.names["L"]  # the file's name for it, "logits"
 

@@ -55,12 +55,13 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, code, find, is_marked, replace, single_method
+from moe_rewrite.codemods.kit import MARK, Context, Field, Note, code, find, is_marked, replace, single_method
 from moe_rewrite.codemods.model.attention_core import Core, find_core
 from moe_rewrite.codemods.model.branch import around, unbranched
 
 READS: tuple[Field, ...] = ()
-PROVIDES: tuple[Field, ...] = ("attention",)
+PROVIDES: tuple[Field, ...] = ("notes", "sdpa_classes")
+CONCERN = "attention"  # its notes' concern
 NOTE = f"{MARK}: SDPA where the config asks for it; the published core otherwise"
 ENTRY_NOTE = f"{MARK}: the eager class runs SDPA when the config says sdpa"
 SUPPORTS_NOTE = f"{MARK}: loads default to SDPA; attn_implementation='eager' keeps the published core"
@@ -204,9 +205,10 @@ def _other_choice(module: cst.Module, context: Context, dicts: set[str]) -> str 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with each proven core in its SDPA branch (with --sdpa, the default); what was left, and why, in
-    context.attention."""
+    context.notes; the classes "sdpa" selects, rewritten, in context.sdpa_classes."""
     module = undo(module)
-    notes = context.attention = []
+    context.sdpa_classes = ()
+    notes, start = context.notes, len(context.notes)
     if not context.options.sdpa:
         return module
     classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
@@ -217,16 +219,16 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             continue
         core = find_core(forward)
         if isinstance(core, str):
-            notes.append(f"attention: {name} left as published: {core}")
+            notes.append(Note(CONCERN, name, False, core))
             continue
         if not _keeps_config(cls, classes):
-            notes.append(f"attention: {name} left as published: it does not keep `self.config`")
+            notes.append(Note(CONCERN, name, False, "it does not keep `self.config`"))
             continue
         proven.append((name, forward, core))
     entries = _attention_dicts(module, [name for name, _, _ in proven])
     other = _other_choice(module, context, {dict_name for _, dict_name, _ in entries}) if proven else None
     if other is not None:  # a load would default to sdpa, and that line would then do something else
-        notes += [f"attention: {name} left as published: the file reads `{other}`" for name, _, _ in proven]
+        notes += [Note(CONCERN, name, False, f"the file reads `{other}`") for name, _, _ in proven]
         return module
     rewritten = [name for name, _, _ in proven]
     for _, forward, core in proven:
@@ -243,7 +245,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         for s in body
     ]
     module = module.with_changes(body=body)
-    context.sdpa_classes = sorted({eager for _, _, eager in entries})
+    context.sdpa_classes = tuple(sorted({eager for _, _, eager in entries}))
     context.sections.add("attention")
-    notes.insert(0, f"attention: SDPA in {', '.join(rewritten)} ({SDPA_DEFAULT})")
+    names = ", ".join(rewritten)
+    notes.insert(start, Note(CONCERN, names, True, f"SDPA in {names} ({SDPA_DEFAULT})"))
     return module

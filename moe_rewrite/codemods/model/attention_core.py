@@ -1,6 +1,8 @@
-"""The attention core proved the published one, statement by statement on Python's syntax tree, up to names,
-formatting and comments (attention.py's docstring shows it): `find_core` gives where it is in the forward and what
-its placeholders are bound to, or why it is not the published core."""
+"""The attention core proved the published one, statement by statement through the kit's prover (kit/prove.py), up
+to names, formatting and comments (attention.py's docstring shows it): `find_core` gives where it is in the forward
+and what its placeholders are bound to, or why it is not the published core. What is the attention's own stays here:
+the optional shape checks and assert, the mask add holding the mask's shape check, the scale and dropout rate SDPA
+can take, where the core starts and what surrounds it."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import ast
 import libcst as cst
 
 from moe_rewrite.codemods.kit import code, first_line
+from moe_rewrite.codemods.kit.prove import Proof, Statement, Template, prove
 
 # The published core, one statement each, in capitals the names it binds: S the scores, Q K V, M the mask, O the
-# output; SCALE and P any expression (checked below). Softmax and dropout in nn.functional's two spellings.
-PLACEHOLDERS = {"S", "Q", "K", "V", "M", "O"}
+# output; SCALE and P any expression (checked below). Softmax and dropout in nn.functional's two spellings. `self`
+# is a placeholder bound to `self` (the forward's own parameter, which the dropout reads); `torch` and `nn` are the
+# globals, bound nowhere in the forward.
+TENSORS = {"S", "Q", "K", "V", "M", "O"}
+PLACEHOLDERS = {*TENSORS, "self"}
 WILDCARDS = {"SCALE", "P"}
 FUNCTIONAL = ("nn.functional", "torch.nn.functional")
 SCORE = ["S = torch.matmul(Q, K.transpose(2, 3)) * SCALE"]
@@ -24,13 +30,8 @@ SOFTMAX = [f"S = {f}.softmax(S, dim=-1, dtype=torch.float32).to(Q.dtype)" for f 
 DROPOUT = [f"S = {f}.dropout(S, p=P, training=self.training)" for f in FUNCTIONAL]
 VALUE = ["O = torch.matmul(S, V)"]
 
-
-def _template(text: str) -> ast.stmt:
-    return ast.parse(text).body[0]
-
-
 TEMPLATES = {
-    name: [_template(t) for t in texts]
+    name: [Template(t, placeholders=PLACEHOLDERS, wildcards=WILDCARDS) for t in texts]
     for name, texts in {
         "score": SCORE,
         "score_alone": SCORE_ALONE,
@@ -44,59 +45,53 @@ TEMPLATES = {
 }
 
 
-IGNORED_FIELDS = {"ctx", "lineno", "col_offset", "end_lineno", "end_col_offset", "type_comment", "kind"}
+class _Step:
+    """The core proven so far: the proof carried from statement to statement (kit.prove's `bound=`), in the forward
+    whose locals must not shadow the globals the core reads."""
+
+    def __init__(self, forward: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.proof = Proof({"self": "self"})
+        self.forward = forward
+
+    def matches(self, name: str, statement: Statement) -> bool:
+        """Whether `statement` is one of the templates `name` (the proof extended where it is)."""
+        return self.why_not(name, statement) is None
+
+    def why_not(self, name: str, statement: Statement) -> str | None:
+        """None where `statement` is one of the templates `name` (the proof extended); else "" where its first
+        statement is not one, or the rule of the kit's that refuses it where only that does (a line holding two
+        statements, a global the core reads bound in the forward): its reason."""
+        first = _trees(statement)[0] if isinstance(statement, cst.CSTNode) else statement
+        why = ""
+        for template in TEMPLATES[name]:
+            proof = prove(template, [statement], bound=self.proof, within=self.forward)
+            if isinstance(proof, Proof):
+                self.proof = proof
+                return None
+            if not why and proof.why and isinstance(prove(template, [first], bound=self.proof), Proof):
+                why = proof.why  # its first statement is the template's: only the kit's rule refuses it
+        return why
+
+    @property
+    def bound(self) -> dict[str, object]:
+        """The placeholders' names and the wildcards' expressions, as Core holds them."""
+        return {**{k: v for k, v in self.proof.names.items() if k in TENSORS}, **self.proof.expressions}
 
 
-class _NoMatch(Exception):
-    pass
+def _trees(statement: cst.CSTNode) -> list[ast.stmt]:
+    """The statements of one line (`a = 1; b = 2`: two)."""
+    return ast.parse(code(statement)).body
 
 
-def _unify(template: object, node: object, bound: dict[str, object]) -> None:
-    """Raises _NoMatch unless `node` is `template` with its placeholders bound consistently (a placeholder to one
-    name, two placeholders to two names) and its wildcards to any expression."""
-    if isinstance(template, ast.Name) and template.id in WILDCARDS:
-        if template.id in bound and ast.dump(bound[template.id]) != ast.dump(node):  # type: ignore[arg-type]
-            raise _NoMatch
-        bound[template.id] = node
-        return
-    if isinstance(template, ast.Name) and template.id in PLACEHOLDERS:
-        if not isinstance(node, ast.Name):
-            raise _NoMatch
-        if template.id in bound:
-            if bound[template.id] != node.id:
-                raise _NoMatch
-        elif node.id in {v for k, v in bound.items() if k in PLACEHOLDERS}:
-            raise _NoMatch
-        bound[template.id] = node.id
-        return
-    if isinstance(template, list):
-        if not isinstance(node, list) or len(node) != len(template):
-            raise _NoMatch
-        for t, n in zip(template, node):
-            _unify(t, n, bound)
-        return
-    if isinstance(template, ast.AST):
-        if type(node) is not type(template):
-            raise _NoMatch
-        for name, value in ast.iter_fields(template):
-            if name not in IGNORED_FIELDS:
-                _unify(value, getattr(node, name, None), bound)
-        return
-    if type(template) is not type(node) or template != node:
-        raise _NoMatch
+def _forward_tree(forward: cst.FunctionDef) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    tree = ast.parse(code(forward.with_changes(leading_lines=[], decorators=[])).strip()).body[0]
+    assert isinstance(tree, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return tree
 
 
-def _matches(name: str, node: ast.stmt, bound: dict[str, object]) -> bool:
-    """Whether `node` is one of the templates `name`, binding into `bound` (left as it was when not)."""
-    for template in TEMPLATES[name]:
-        trial = dict(bound)
-        try:
-            _unify(template, node, trial)
-        except _NoMatch:
-            continue
-        bound.update(trial)
-        return True
-    return False
+def _because(why: str | None) -> str:
+    """The kit's rule that refused a statement, where only that did, for the end of a line."""
+    return f" ({why})" if why else ""
 
 
 def _is_check(node: ast.stmt, name: object) -> bool:
@@ -139,7 +134,7 @@ def _scalar(node: ast.AST, bound: dict[str, object]) -> bool:
                 return False
         elif not isinstance(n, SCALAR_NODES):
             return False
-    return not _names(node) & {v for k, v in bound.items() if k in PLACEHOLDERS}
+    return not _names(node) & {v for k, v in bound.items() if k in TENSORS}
 
 
 class Core:
@@ -152,44 +147,50 @@ class Core:
 def find_core(forward: cst.FunctionDef) -> Core | str:
     """The forward's published core, or why there is none (one line)."""
     body = list(forward.body.body) if isinstance(forward.body, cst.IndentedBlock) else []
-    trees = [ast.parse(code(stmt)).body[0] for stmt in body]
+    lines = [_trees(stmt) for stmt in body]
+    trees = [line[0] for line in lines]
     matmul = [i for i, t in enumerate(trees) if _has_score_matmul(t)]
     if not matmul:
         return "no statement computes the scores as `torch.matmul(Q, K.transpose(2, 3))` at the top of its forward"
     i = matmul[0]
-    bound: dict[str, object] = {}
-    if not (_matches("score", trees[i], bound) or (_matches("score_alone", trees[i], bound))):
-        return f"the scores `{ast.unparse(trees[i])}` are not `torch.matmul(Q, K.transpose(2, 3))` times a scale"
+    core = _Step(_forward_tree(forward))
+    why = core.why_not("score", body[i])
+    if why is not None and (alone := core.why_not("score_alone", body[i])) is not None:
+        reason = f"the scores `{ast.unparse(trees[i])}` are not `torch.matmul(Q, K.transpose(2, 3))` times a scale"
+        return reason + _because(why or alone)
     start, i = i, i + 1
-    if "SCALE" not in bound:
-        if i >= len(trees) or not _matches("scaled", trees[i], bound):
-            return f"the scores `{first_line(body[start])}` are not scaled by the next statement"
+    if "SCALE" not in core.proof.expressions:
+        why = core.why_not("scaled", body[i]) if i < len(body) else ""
+        if why is not None:
+            return f"the scores `{first_line(body[start])}` are not scaled by the next statement" + _because(why)
         i += 1
+    bound = core.bound
     if not _scalar(bound["SCALE"], bound):  # type: ignore[arg-type]
         return f"the scale `{ast.unparse(bound['SCALE'])}` is not a number SDPA can take"  # type: ignore[arg-type]
 
     def step(name: str, what: str) -> str | None:
         nonlocal i
-        if i < len(trees) and _matches(name, trees[i], bound):
+        why = core.why_not(name, body[i]) if i < len(body) else ""
+        if why is None:
             i += 1
             return None
         found = f"`{first_line(body[i])}`" if i < len(body) else "the end of forward"
-        return f"{found} where the published core has {what}"
+        return f"{found} where the published core has {what}" + _because(why)
 
     def optional_check(name: str) -> None:
         nonlocal i
-        if i < len(trees) and _is_check(trees[i], bound.get(name)):
+        if i < len(trees) and _is_check(trees[i], core.proof.names.get(name)):
             i += 1
 
     optional_check("S")
-    if i < len(trees) and _matches("assert", trees[i], bound):
+    if i < len(body) and core.matches("assert", body[i]):
         i += 1
     mask_added = False
     mask_add = trees[i] if i < len(trees) else None
     if isinstance(mask_add, ast.If) and mask_add.body and len(mask_add.body) == 2:  # the mask's own shape check
         check = mask_add.body[0]
-        if _matches("mask", ast.If(test=mask_add.test, body=mask_add.body[1:], orelse=mask_add.orelse), bound):
-            if not _is_check(check, bound["M"]):
+        if core.matches("mask", ast.If(test=mask_add.test, body=mask_add.body[1:], orelse=mask_add.orelse)):
+            if not _is_check(check, core.proof.names["M"]):
                 return f"the mask add holds `{ast.unparse(check).splitlines()[0]}`, not a shape check"
             i += 1
             mask_added = True
@@ -205,9 +206,10 @@ def find_core(forward: cst.FunctionDef) -> Core | str:
         if reason:
             return reason
     optional_check("O")
-    if _names(bound["P"]) & {v for k, v in bound.items() if k in PLACEHOLDERS}:  # type: ignore[arg-type]
+    bound = core.bound
+    if _names(bound["P"]) & {v for k, v in bound.items() if k in TENSORS}:  # type: ignore[arg-type]
         return f"the dropout rate `{ast.unparse(bound['P'])}` reads the core's tensors"  # type: ignore[arg-type]
-    return _check_surroundings(forward, trees, start, i, bound)
+    return _check_surroundings(forward, lines, start, i, bound)
 
 
 def _has_score_matmul(tree: ast.stmt) -> bool:
@@ -228,18 +230,21 @@ def _has_score_matmul(tree: ast.stmt) -> bool:
     return False
 
 
-def _check_surroundings(forward: cst.FunctionDef, trees: list, start: int, end: int, bound: dict) -> Core | str:
+def _check_surroundings(
+    forward: cst.FunctionDef, lines: list[list[ast.stmt]], start: int, end: int, bound: dict
+) -> Core | str:
     """The mask is the forward's parameter, not rebound before the core; output_attentions is a parameter; the scores
-    are read after the core only by `return` (the branch sets them to None)."""
+    are read after the core only by `return` (the branch sets them to None). `lines`: each line's statements, every
+    one of a line holding several."""
     params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
     mask, scores = bound["M"], bound["S"]
     if mask not in params:
         return f"the mask `{mask}` is not a parameter of forward"
     if "output_attentions" not in params:
         return "forward has no `output_attentions` parameter"
-    if any(mask in _names(t, stored=True) for t in trees[:start]):
+    if any(mask in _names(t, stored=True) for line in lines[:start] for t in line):
         return f"`{mask}` is reassigned before the core"
-    for t in trees[end:]:
+    for t in (t for line in lines[end:] for t in line):
         if isinstance(t, ast.Return):
             continue
         if scores in _names(t):

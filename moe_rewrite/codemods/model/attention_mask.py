@@ -37,6 +37,7 @@ from moe_rewrite.codemods.kit import (
     Context,
     Field,
     Index,
+    Note,
     class_methods,
     is_marked,
     one_line,
@@ -44,10 +45,12 @@ from moe_rewrite.codemods.kit import (
     top_classes,
     walk,
 )
+from moe_rewrite.codemods.model import attention
 from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
 
-READS: tuple[Field, ...] = ("attention",)
-PROVIDES: tuple[Field, ...] = ()
+READS: tuple[Field, ...] = ("notes", "sdpa_classes")  # the attention codemod's
+PROVIDES: tuple[Field, ...] = ("notes",)
+CONCERN = "attention mask"  # its notes' concern
 
 BUILD = "_prepare_4d_causal_attention_mask"
 BUILD_MODULE = "transformers.modeling_attn_mask_utils"
@@ -237,16 +240,16 @@ def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | Non
 
 def _why_not(module: cst.Module, context: Context) -> str | None:
     """Why no mask call of the file may be wrapped, whatever its shape (None when they may)."""
-    if any(" left as published: " in line for line in context.attention_lines()):
+    if any(note.concern == attention.CONCERN and not note.rewritten for note in context.notes):
         return "an attention class runs the published core, which needs the 4-D mask"
-    if not context.sdpa_classes:
+    if not context.sdpa_selected():
         return "the SDPA attention is not chosen through an ATTENTION_CLASSES-like dict"
     return _not_imported(module, context.index)
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with the Model's mask call wrapped where proven (with --sdpa, the default); where a mask call stays
-    as published, a line in context.attention saying why."""
+    as published, a note in context.notes saying why."""
     index = context.index
     module = undo(module, index)
     if not context.options.sdpa:
@@ -259,8 +262,9 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         and _calls(forward, BUILD, index)
         and _pretrained(cls, classes)
     ]
-    notes = context.attention_lines()
-    if not found or not notes:  # no eager attention (a flash-only file): nothing to do, nothing to say
+    notes = context.notes
+    # no eager attention (a flash-only file): nothing to do, nothing to say
+    if not found or not any(note.concern == attention.CONCERN for note in notes):
         return module
     reason = _why_not(module, context)
     done = []
@@ -269,7 +273,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         while i < len(calls := _calls(new, BUILD, index)):  # one at a time: deep_replace makes new nodes
             why = reason or _prove(new, calls[i])
             if why is not None:
-                notes.append(f"attention mask: {name} left as published: {why}")
+                notes.append(Note(CONCERN, name, False, why))
                 i += 1  # a wrapped call is no longer one of `calls`: the next one takes its index
                 continue
             new = cst.ensure_type(new.deep_replace(calls[i], _wrapped(calls[i], module)), cst.FunctionDef)
@@ -278,7 +282,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             module = replace(module, forward, new)
     if done:
         context.sections.add("attention")
+        names = ", ".join(done)
         notes.append(
-            f"attention mask: {', '.join(done)} passes none where SDPA runs causal-only (no padding, no cache)"
+            Note(CONCERN, names, True, f"{names} passes none where SDPA runs causal-only (no padding, no cache)")
         )
     return module

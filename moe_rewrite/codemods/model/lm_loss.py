@@ -36,12 +36,13 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, code, replace, single_method
+from moe_rewrite.codemods.kit import MARK, Context, Field, Note, code, replace, single_method
 from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove
 from moe_rewrite.codemods.model.branch import around, unbranched
 
 READS: tuple[Field, ...] = ()
-PROVIDES: tuple[Field, ...] = ("loss",)
+PROVIDES: tuple[Field, ...] = ("notes",)
+CONCERN = "loss"  # its notes' concern
 
 NOTE = f"{MARK}: the loss without float32 logits in training with labels; the published loss otherwise"
 OUR_CALL = "_moe_rewrite_lm_loss"
@@ -157,9 +158,9 @@ def undo(module: cst.Module) -> cst.Module:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with each proven loss in its branch (with --fused-loss, the default); what was left, and why, in
-    context.loss."""
+    context.notes."""
     module = undo(module)
-    notes = context.loss = []
+    notes, start = context.notes, len(context.notes)
     if not context.options.fused_loss:
         return module
     rewritten = []
@@ -169,11 +170,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             continue
         region = _find_region(forward, module)
         if isinstance(region, str):
-            notes.append(f"loss: {cls.name.value} left as published: {region}")
+            notes.append(Note(CONCERN, cls.name.value, False, region))
             continue
         module = replace(module, forward, _branch(forward, region, module))
         rewritten.append(cls.name.value)
     if rewritten:
         context.sections.update({"lm_loss", "triton_cross_entropy"})
-        notes.insert(0, f"loss: fused linear cross-entropy in {', '.join(rewritten)} ({DONE})")
+        names = ", ".join(rewritten)
+        notes.insert(start, Note(CONCERN, names, True, f"fused linear cross-entropy in {names} ({DONE})"))
     return module

@@ -33,12 +33,13 @@ import itertools
 
 import libcst as cst
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, Note, class_methods, code, replace
 from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove_function
 from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
-PROVIDES: tuple[Field, ...] = ("norm",)
+PROVIDES: tuple[Field, ...] = ("notes",)
+CONCERN = "norm"  # its notes' concern
 
 NOTE = f"{MARK}: the fused RMSNorm where it applies (CUDA, Triton); the published norm otherwise"
 OUR_CALL = "_moe_rewrite_rmsnorm"
@@ -170,9 +171,9 @@ def undo(module: cst.Module) -> cst.Module:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with each proven RMSNorm's forward branching to the fused norm (with --fused-norm, the default);
-    what was done or left, and why, in context.norm."""
+    what was done or left, and why, in context.notes."""
     module = undo(module)
-    notes = context.norm = []
+    notes, start = context.notes, len(context.notes)
     if not context.options.fused_norm:
         return module
     fused = []
@@ -184,11 +185,15 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             continue
         reason = _find_norm(cls, forward)
         if reason is not None:
-            notes.append(f"norm: {cls.name.value} left as published: {reason}")
+            notes.append(Note(CONCERN, cls.name.value, False, reason))
             continue
         module = replace(module, forward, _branched(forward, _input(forward) or "", module))
         fused.append(cls.name.value)
     if fused:
         context.sections.add("triton_rmsnorm")
-        notes.insert(0, f"norm: fused RMSNorm in {', '.join(fused)} (Triton on CUDA; the published norm elsewhere)")
+        names = ", ".join(fused)
+        notes.insert(
+            start,
+            Note(CONCERN, names, True, f"fused RMSNorm in {names} (Triton on CUDA; the published norm elsewhere)"),
+        )
     return module

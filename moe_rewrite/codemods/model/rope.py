@@ -31,12 +31,13 @@ import ast
 
 import libcst as cst
 
-from moe_rewrite.codemods.kit import MARK, Context, Field, Index, replace
+from moe_rewrite.codemods.kit import MARK, Context, Field, Index, Note, replace
 from moe_rewrite.codemods.kit.prove import Differs, Proof, Template, closest, prove_function
 from moe_rewrite.codemods.model.branch import first_branch, unbranched
 
 READS: tuple[Field, ...] = ()
-PROVIDES: tuple[Field, ...] = ("rope",)
+PROVIDES: tuple[Field, ...] = ("notes",)
+CONCERN = "rope"  # its notes' concern
 
 NOTE = f"{MARK}: the fused RoPE where it applies (CUDA, Triton); the published rotation otherwise"
 OUR_CALL = "_moe_rewrite_rope"
@@ -173,21 +174,23 @@ def undo(module: cst.Module) -> cst.Module:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with a proven apply_rotary_pos_emb branching to the fused rotation (with --fused-rope, the default);
-    what was done or left, and why, in context.rope."""
+    what was done or left, and why, in context.notes."""
     module = undo(module)
-    notes = context.rope = []
+    notes = context.notes
     if not context.options.fused_rope:
         return module
     fn, interleaved, reason = _find_rope(module, context.index)
     if fn is None:
         if reason is not None:
-            notes.append(f"rope: {APPLY} left as published: {reason}")
+            notes.append(Note(CONCERN, APPLY, False, reason))
         return module
     if interleaved is None:
-        notes.append(f"rope: {APPLY} left as published: {reason}")
+        notes.append(Note(CONCERN, APPLY, False, reason))
         return module
     module = replace(module, fn, _branched(fn, interleaved, module))
     context.sections.add("triton_rope")
     layout = "" if interleaved else ", lanes not interleaved"
-    notes.append(f"rope: fused {APPLY}{layout} (Triton on CUDA; the published rotation elsewhere)")
+    notes.append(
+        Note(CONCERN, APPLY, True, f"fused {APPLY}{layout} (Triton on CUDA; the published rotation elsewhere)")
+    )
     return module

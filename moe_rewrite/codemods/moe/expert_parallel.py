@@ -35,6 +35,7 @@ import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, Form, class_methods, code, one_line, replace, top_classes
 from moe_rewrite.codemods.kit.index import Index
+from moe_rewrite.codemods.kit.prove import same
 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()
@@ -52,11 +53,6 @@ def _self_attr(name: str) -> m.BaseMatcherNode:
         | m.AugAssign(target=target)
         | m.AnnAssign(target=target)
     )
-
-
-def _same(node: cst.CSTNode, source: str) -> bool:
-    """Whether a small statement is `source` as a syntax tree (formatting, parentheses and comments aside)."""
-    return ast.dump(ast.parse(code(node).strip().rstrip(";"))) == ast.dump(ast.parse(source))
 
 
 def _ep_branches(init: cst.FunctionDef) -> list[cst.If]:
@@ -114,15 +110,15 @@ def _edited(
         return None, "the branch is on its `if` line"
     statements = list(branch.body.body)
     restriction = f"assert {cfg}.ep_size == dist.get_world_size()"
-    asserts = [a for a in m.findall(branch.body, m.Assert()) if _same(a, restriction)]
+    asserts = [a for a in m.findall(branch.body, m.Assert()) if same(a, restriction)]
     if len(asserts) != 1:
         return None, f"{len(asserts)} `{restriction}` in the branch, not one"
     ranks = m.findall(branch.body, _self_attr("ep_rank"))
-    if len(ranks) != 1 or not _same(ranks[0], "self.ep_rank = dist.get_rank()"):
+    if len(ranks) != 1 or not same(ranks[0], "self.ep_rank = dist.get_rank()"):
         found = ", ".join(f"`{one_line(r)}`" for r in ranks) or "none"
         return None, f"the branch's ep_rank is not set once as `self.ep_rank = dist.get_rank()` ({found})"
     sizes = m.findall(branch.body, _self_attr("ep_size"))
-    if len(sizes) != 1 or not _same(sizes[0], f"self.ep_size = {cfg}.ep_size"):
+    if len(sizes) != 1 or not same(sizes[0], f"self.ep_size = {cfg}.ep_size"):
         return None, f"the branch does not set `self.ep_size = {cfg}.ep_size` once"
     for name in ("get_rank", "get_world_size"):
         if index.facts(init).names[name] != 1:

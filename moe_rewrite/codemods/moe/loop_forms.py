@@ -4,24 +4,16 @@ the eval call's arguments checked against what training computes with."""
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import one_line, reads
+from moe_rewrite.codemods.kit.prove import same
 from moe_rewrite.codemods.moe.moe_class import MOE_TRAIN_CALL, SELF_EXPERTS, SELF_GATE_CALL, as_block, esft_branch
 from moe_rewrite.errors import RewriteError
 from moe_rewrite.options import RewriteOptions
-
-
-def _same_code(node: cst.CSTNode, expected: str) -> bool:
-    """Whether a statement is `expected` up to formatting, comments and redundant parentheses (Python AST equality)."""
-    try:
-        return ast.dump(ast.parse(cst.Module(body=[node]).code)) == ast.dump(ast.parse(expected))  # type: ignore[list-item]
-    except SyntaxError:
-        return False
 
 
 def _names_in(node: cst.CSTNode) -> set[str]:
@@ -69,7 +61,7 @@ def _experts_loop_names(loop: cst.For) -> tuple[str, str, str] | None:
     except (TypeError, ValueError, IndexError, AttributeError):
         return None
     expected = f"for {i}, {expert} in enumerate(self.experts):\n    {y}[{idx} == {i}] = {expert}({x}[{idx} == {i}])"
-    return (y, idx, x) if _same_code(loop, expected) else None
+    return (y, idx, x) if same(loop, expected) else None
 
 
 def loop_training_body(
@@ -107,18 +99,17 @@ def loop_training_body(
     weights = _sum_weights(stmts[loop + 1 :], y) or "topk_weight"
     repeat = f"{tokens} = {tokens}.repeat_interleave(self.num_experts_per_tok, dim=0)"
     known = {
-        "repeat": [i for i in range(loop) if _same_code(stmts[i], repeat)],
+        "repeat": [i for i in range(loop) if same(stmts[i], repeat)],
         "buffer": [
             i
             for i in range(loop)
-            if _same_code(stmts[i], f"{y} = torch.empty_like({tokens})")
-            or _same_code(stmts[i], f"{y} = torch.zeros_like({tokens})")
+            if same(stmts[i], f"{y} = torch.empty_like({tokens})", f"{y} = torch.zeros_like({tokens})")
         ],
         "sum": [
             i
             for i in range(loop + 1, len(stmts))
             if m.matches(stmts[i], m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])]))
-            and _same_code(
+            and same(
                 stmts[i],
                 f"{_assign_target(stmts[i])} = ({y}.view(*{weights}.shape, -1) * {weights}.unsqueeze(-1)).sum(dim=1)",
             )
@@ -188,7 +179,7 @@ def _sum_weights(stmts: Sequence[cst.BaseStatement], y: str) -> str | None:
         for call in m.findall(stmt, unsqueezed):
             w = cst.ensure_type(cst.ensure_type(cst.ensure_type(call, cst.Call).func, cst.Attribute).value, cst.Name)
             expected = f"{_assign_target(stmt)} = ({y}.view(*{w.value}.shape, -1) * {w.value}.unsqueeze(-1)).sum(dim=1)"
-            if _same_code(stmt, expected):
+            if same(stmt, expected):
                 return w.value
     return None
 
@@ -210,11 +201,6 @@ def _flat_source(forward: cst.FunctionDef, branch: cst.If, flat: str) -> str | N
     return cst.ensure_type(cst.ensure_type(cst.ensure_type(view, cst.Call).func, cst.Attribute).value, cst.Name).value
 
 
-def _same_expression(expr: cst.BaseExpression, *expected: str) -> bool:
-    code = cst.Module(body=[]).code_for_node(expr)
-    return ast.dump(ast.parse(code, mode="eval")) in {ast.dump(ast.parse(e, mode="eval")) for e in expected}
-
-
 def check_eval_args(
     args: list[cst.Arg], kind: str, names: tuple[str, str, str], forward: cst.FunctionDef, branch: cst.If, where: str
 ) -> None:
@@ -228,14 +214,14 @@ def check_eval_args(
         ok = all(isinstance(v, cst.Name) and v.value == n for v, n in zip((first, second, third), names))
     else:
         expected = f"{tokens}, {ids}.view(-1), {weights}.view(-1, 1)"
-        flat_ids = _same_expression(second, f"{ids}.view(-1)", f"{ids}.reshape(-1)")
+        flat_ids = same(second, f"{ids}.view(-1)", f"{ids}.reshape(-1)")
         if isinstance(second, cst.Name) and second.value != ids:
             flat_ids = _flat_source(forward, branch, second.value) == ids
         ok = (
             isinstance(first, cst.Name)
             and first.value == tokens
             and flat_ids
-            and _same_expression(third, f"{weights}.view(-1, 1)", f"{weights}.reshape(-1, 1)")
+            and same(third, f"{weights}.view(-1, 1)", f"{weights}.reshape(-1, 1)")
         )
     if not ok:
         got = ", ".join(cst.Module(body=[]).code_for_node(v) for v in (first, second, third))

@@ -25,6 +25,7 @@ from copy import copy as shallow_copy
 from copy import deepcopy
 from dataclasses import dataclass
 
+from moe_rewrite.codemods.kit.normalise import Canonical, stable_dump
 from moe_rewrite.errors import RewriteError
 
 # sha256 of the normalised moe_infer -> where that body is published. Add a body only when it is the same in several
@@ -124,46 +125,8 @@ def _statements(stmts: list) -> list[ast.stmt]:
     return out
 
 
-class _Rename(ast.NodeVisitor):
-    """Parameters become _p0, _p1, ... by position; other locals _0, _1, ... in order of first appearance (a walk that
-    does not look at names)."""
-
-    def __init__(self, params: list[str], local_names: set[str]) -> None:
-        self.local_names = local_names
-        self.names = {name: f"_p{i}" for i, name in enumerate(params)}
-        self.count = 0
-
-    def _canonical(self, name: str) -> str:
-        if name not in self.names:
-            self.names[name], self.count = f"_{self.count}", self.count + 1
-        return self.names[name]
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if node.id in self.local_names:
-            node.id = self._canonical(node.id)
-
-    def visit_arg(self, node: ast.arg) -> None:
-        node.arg = self._canonical(node.arg)
-        node.annotation = None
-
-
-def _dump(node: object) -> str:
-    """Like ast.dump, the same on every Python version: fields that are None or empty are left out (3.13's ast.dump
-    leaves them out, older ones do not; newer Pythons add such fields), and so are type comments and string kinds."""
-    if isinstance(node, list):
-        return "[" + ", ".join(_dump(n) for n in node) + "]"
-    if not isinstance(node, ast.AST):
-        return repr(node)
-    fields = (
-        f"{f}={_dump(getattr(node, f))}"
-        for f in node._fields
-        if getattr(node, f, None) not in (None, []) and f not in ("type_comment", "kind")
-    )
-    return f"{type(node).__name__}({', '.join(fields)})"
-
-
 def _sha(node: ast.AST) -> str:
-    return hashlib.sha256(_dump(node).encode()).hexdigest()
+    return hashlib.sha256(stable_dump(node).encode()).hexdigest()
 
 
 def _short(node: ast.AST) -> str:
@@ -205,9 +168,9 @@ def fingerprint(code: str) -> Fingerprint:
     statements = []
     for stmt in stmts:
         header = deepcopy(_header(stmt))
-        _Rename(params, local_names).visit(header)
+        Canonical(params, local_names).visit(header)
         statements.append((_short(header), _first_line(stmt)))
-    renamer = _Rename(params, local_names)
+    renamer = Canonical(params, local_names)
     renamer.visit(function.args)
     for stmt in body:
         renamer.visit(stmt)
