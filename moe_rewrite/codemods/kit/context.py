@@ -15,7 +15,7 @@ from moe_rewrite import __version__
 from moe_rewrite.codemods.kit.index import Index
 from moe_rewrite.errors import InternalError, RewriteError
 from moe_rewrite.options import RewriteOptions
-from moe_rewrite.render import Section, render_section
+from moe_rewrite.render import Section, features, render_section
 
 
 class Form(str, Enum):
@@ -133,7 +133,11 @@ class Context:
             raise RewriteError(f"{why}; rewrite with --no-fuse-experts")
         if self.options.fuse_experts is None:
             chosen = dataclasses.replace(self.options, fuse_experts=False)
-            if chosen.as_dict(__version__) != self.options.as_dict(__version__):  # what the sections are rendered with
+            # what the sections are rendered with: the options dict, and the features they generate
+            if (chosen.as_dict(__version__), features(chosen)) != (
+                self.options.as_dict(__version__),
+                features(self.options),
+            ):
                 self.rendered.clear()
             self.options = chosen
             self.chosen.append(f"experts: per-expert nn.Linear, as with --no-fuse-experts ({why})")
