@@ -61,11 +61,12 @@ test: venv compat-envs
 	MOE_REWRITE_COMPAT_RELEASES="$(COMPAT_RELEASES)" $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
-# The inner loop: ruff, then the tests not marked slow or gpu (pyproject.toml's markers); `make test` runs them all.
+# The inner loop (under 3 minutes on CI's 2 cores): ruff, then the tests not marked slow or gpu (pyproject.toml's
+# markers); `make test` runs them all.
 test-fast: venv
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not gpu"
 
 # Regenerate the goldens in tests/pairs/ (diffs and section hashes) after an intended change to moe_rewrite/runtime/ or the
 # codemods; the tests that wrote a golden skip ("updated ..."): review them with git diff. Then the generated code's

@@ -364,6 +364,7 @@ def _fp8_ep_worker(rank, directory, out_dir):
         (Path(out_dir) / "result.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow  # git repositories and pre-commit runs, or processes on gloo: over 10 s
 def test_fp8_experts_under_expert_parallelism_train_and_save_as_one_process(fp8_model_files, tmp_path, monkeypatch):
     """Expert parallelism over 2 gloo processes: each rank holds FP8 experts 0-1 or 2-3; every gradient (the
     dequantized layers', the router's, the embeddings') within 1e-5 of one process; the saved checkpoint (gathered

@@ -146,6 +146,7 @@ def expected() -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow  # git repositories and pre-commit runs, or processes on gloo: over 10 s
 def test_rewrite_hook_rewrites_fails_then_passes(tmp_path, env, installed, expected):
     consumer = make_consumer(tmp_path, env, installed)
     before = files(consumer)
@@ -230,6 +231,7 @@ def readme_consumer(tmp_path: Path, env: dict[str, str], extra: str = "") -> Pat
     return make_consumer(consumer, env, None, snippet + extra)
 
 
+@pytest.mark.slow  # git repositories and pre-commit runs, or processes on gloo: over 10 s
 def test_the_readme_snippet_works_as_written(tmp_path, env):
     """README's config, copied as it is, with moe-rewrite installed: both hooks run, and then pass."""
     env = installed_command(tmp_path, env)
@@ -255,6 +257,7 @@ RUFF_HOOK = """\
 """
 
 
+@pytest.mark.slow  # git repositories and pre-commit runs, or processes on gloo: over 10 s
 def test_the_readme_hooks_and_a_formatter_settle(tmp_path, env):
     """README's hooks then `ruff format` on the same files: the first commit attempt rewrites and reformats, the next
     passes and changes nothing (a formatted rewrite is up to date)."""
