@@ -30,6 +30,9 @@ class RewriteOptions:
     # checkpoint's config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records
     # them, else not (rewrite.fp8_choice, said in the summary)
     fp8_experts: bool | None = None
+    # not an option: what the file's experts chose (codemods/moe/expert_mlp.py): their forward casts x to their weights'
+    # dtype and back (DeepSeek's ESFT fork), so moe_train checks the experts' dtypes (render.features, "expert-casts")
+    expert_casts: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

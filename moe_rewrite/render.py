@@ -42,7 +42,7 @@ PLACEHOLDERS = ("MoE", "Model")
 # Code generated only where the model can use it. A section's Entry.feature, or a comment line right above a statement
 # (at any depth) `# generated with: FEATURE` / `# generated without: FEATURE`, ties it to a feature the options turn on
 # (features()); elsewhere it is left out of the rewritten file (the runtime modules themselves hold all of it).
-FEATURES = ("fp8-experts", "expert-parallel")
+FEATURES = ("fp8-experts", "expert-parallel", "expert-casts")
 FEATURE_TAGS = {
     f"# generated {how}: {feature}": (how == "with", feature) for feature in FEATURES for how in ("with", "without")
 }
@@ -111,8 +111,11 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 
 def features(options: RewriteOptions) -> frozenset[str]:
     """The features whose code a rewrite with these (decided) options generates: FP8 experts where asked
-    (fp8_experts), expert parallelism wherever the experts fuse (it is refused with --no-fuse-experts)."""
+    (fp8_experts), expert parallelism wherever the experts fuse (it is refused with --no-fuse-experts), the experts'
+    dtype check where their forward casts x to their weights' dtype (expert_casts)."""
     on = {"fp8-experts"} if options.fp8_experts else set()
+    if options.expert_casts:
+        on.add("expert-casts")
     if options.fuse_experts is not False:
         on.add("expert-parallel")
     return frozenset(on)

@@ -33,6 +33,9 @@ ESFT_LOOP = (
 )
 ESFT_SUM = "        y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)\n"
 ESFT_BUFFER = "            y = torch.empty_like(hidden_states)\n"
+# ESFT's expert forward: x cast to the expert's weight dtype, the result cast back
+ESFT_CAST = "        x = x.to(self.gate_proj.weight.dtype)\n"
+ESFT_CAST_BACK = "        return down_proj.to(in_dtype)\n"
 V3_INFER = "            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)\n"
 V3_BRANCH = "        if not self.training:\n" + V3_INFER
 V3_GUARD = "            assert not self.training\n"
@@ -421,6 +424,37 @@ MUTATIONS = [
         "refused",
         (_before(ESFT_SUM, "        y = y.float()\n"),),
         why="no weighted sum right after",
+        options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft",
+        "expert_casts_to_up_proj_dtype",
+        "exact",
+        ((ESFT_CAST, ESFT_CAST.replace("gate_proj", "up_proj")),),
+        options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft",
+        "expert_without_cast_back",
+        "refused",
+        ((ESFT_CAST_BACK, "        return down_proj\n"),),
+        why="DeepseekV2MLP.forward: `x = x.to(self.gate_proj.weight.dtype)` differs from the expert MLP",
+        options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft",
+        "expert_cast_to_a_fixed_dtype",
+        "refused",
+        ((ESFT_CAST, "        x = x.to(torch.float32)\n"),),
+        why="DeepseekV2MLP.forward: `x = x.to(torch.float32)` differs from the expert MLP",
+        options=("--no-fuse-experts",),
+    ),
+    Mutation(
+        "esft",
+        "expert_cast_to_a_buffer_dtype",
+        "refused",
+        ((ESFT_CAST, "        x = x.to(self.act_fn.weight.dtype)\n"),),
+        why="casts x to self.act_fn.weight.dtype, which is not one of its projections",
         options=("--no-fuse-experts",),
     ),
     # V3 form: the eval branch and the training guards

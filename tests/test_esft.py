@@ -2,10 +2,13 @@
 expert parallelism. The stand-in is fixtures/deepseek_v2_esft. Rewritten with --no-fuse-experts (fused experts
 cannot be frozen one by one, so the defaults choose it, and --fuse-experts is refused), its single-process loop
 becomes the grouped path in training and eval with the same numbers, frozen experts keep no gradient, and the
-expert-parallel path is kept."""
+expert-parallel path is kept. Its expert forward casts x to the expert's weight dtype and back (trainable fp32
+experts beside frozen bf16 ones): the grouped GEMMs run where every expert has x's dtype, the experts' own forward
+(the published loop) where they differ."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -13,7 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import ROOT, assert_one_line_error, build_model, per_expert_grads, run_cli  # noqa: E402
+from conftest import (  # noqa: E402
+    ROOT,
+    assert_one_line_error,
+    build_model,
+    model_module,
+    per_expert_grads,
+    run_cli,
+)
 
 ESFT_DIR = ROOT / "fixtures" / "deepseek_v2_esft"
 ATOL = 1e-5
@@ -106,5 +116,76 @@ def test_only_the_selected_experts_train_and_the_frozen_keep_no_gradient(models)
     assert grads.keys() == own_grads.keys() and grads
     assert all(int(n.split(".")[n.split(".").index("experts") + 1]) in selected for n in grads)
     assert all(p.grad is None for p in rewritten.parameters() if not p.requires_grad)
+    for name, grad in own_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= ATOL, name
+
+
+def _selected(name: str, selected: set[int]) -> bool:
+    parts = name.split(".")
+    return "experts" in parts and int(parts[parts.index("experts") + 1]) in selected
+
+
+def test_the_expert_forward_is_the_esft_one_with_its_casts():
+    """The stand-in's expert MLP is ESFT's: x cast to the expert's weight dtype, the result cast back."""
+    text = (ESFT_DIR / "modeling_deepseek.py").read_text()
+    assert "        x = x.to(self.gate_proj.weight.dtype)\n" in text and "return down_proj.to(in_dtype)" in text
+
+
+@pytest.mark.parametrize(
+    ("dtype", "trained_dtype", "atol"), [(torch.float32, torch.float64, ATOL), (torch.bfloat16, torch.float32, 1e-4)]
+)
+def test_experts_in_another_dtype_train_like_the_published_loop(models, dtype, trained_dtype, atol):
+    """ESFT's practice: the selected experts trained in a wider dtype beside the frozen rest (float64 beside float32
+    as the reference; ESFT's float32 beside bfloat16). The experts' dtypes differ from x's, so their own forward runs
+    (the published loop): the loss and every gradient are the published ones (up to the rest of the rewritten
+    model's roundings: SDPA, the fused loss)."""
+    rewritten, load_published = models
+    selected = {2, 6}
+    runs = []
+    for model in (rewritten, load_published()):
+        model = copy.deepcopy(model) if model is rewritten else model
+        model.to(dtype).zero_grad(set_to_none=True)
+        for name, p in model.named_parameters():
+            p.requires_grad_(_selected(name, selected))
+        for name, module in model.named_modules():
+            if name.split(".")[-2:-1] == ["experts"] and int(name.split(".")[-1]) in selected:
+                module.to(trained_dtype)
+        runs.append(model.train())
+    mod = model_module(runs[0])
+    loops = []
+    real_loop = mod._moe_rewrite_loop
+    mod._moe_rewrite_loop = lambda *args: loops.append(1) or real_loop(*args)
+    try:
+        ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(14))
+        (loss, grads), (own_loss, own_grads) = (_step(model, ids) for model in runs)
+    finally:
+        mod._moe_rewrite_loop = real_loop
+    assert loops, "the per-expert loop did not run"
+    assert abs(loss - own_loss) <= atol * 10 and grads.keys() == own_grads.keys() and grads
+    assert {g.dtype for g in grads.values()} == {trained_dtype}
+    for name, grad in own_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= atol, name
+
+
+def test_experts_in_x_dtype_run_the_grouped_gemms(models):
+    """Every expert in x's dtype: the casts do nothing, and the grouped GEMMs run (never the loop)."""
+    rewritten, load_published = models
+    published = load_published()
+    mod = model_module(rewritten)
+    real_loop = mod._moe_rewrite_loop
+
+    def no_loop(*args):
+        raise AssertionError("the per-expert loop ran")
+
+    rewritten.requires_grad_(True)  # an earlier test froze all but a few experts
+    mod._moe_rewrite_loop = no_loop
+    try:
+        rewritten.zero_grad(set_to_none=True)
+        ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(15))
+        loss, grads = _step(rewritten.train(), ids)
+    finally:
+        mod._moe_rewrite_loop = real_loop
+    own_loss, own_grads = _step(published.train(), ids)
+    assert abs(loss - own_loss) <= ATOL and grads.keys() == own_grads.keys()
     for name, grad in own_grads.items():
         assert (grads[name] - grad).abs().max().item() <= ATOL, name

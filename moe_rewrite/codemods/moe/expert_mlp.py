@@ -32,15 +32,28 @@ nn.Module) must be the published MLP, up to names and formatting::
     return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))                # not act_fn
     return self.down_proj(self.act_fn(self.down_proj(x)) * self.up_proj(x))         # down used as the gate
     class PrunedMLP(DeepseekV3MLP): def forward(self, x): ...                        # checked as its own forward
+
+    # Accepted too: DeepSeek's ESFT fork, the MLP between a cast to the weights' dtype and the cast back
+        def forward(self, x):
+            in_dtype = x.dtype
+            x = x.to(self.gate_proj.weight.dtype)
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return down_proj.to(in_dtype)
+
+Such experts get per-expert layers (--no-fuse-experts: one module, and dtype, per expert) and moe_train runs the
+grouped GEMMs only where every expert's weights have x's dtype (the casts do nothing), else the experts' own forward
+(the published loop): exact either way.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import libcst as cst
 
 from moe_rewrite.codemods.kit import Context, Field, top_classes
 from moe_rewrite.codemods.moe.expert_class import chain_or_any, expert_class
-from moe_rewrite.codemods.moe.expert_mlp_proof import check_expert_class
+from moe_rewrite.codemods.moe.expert_mlp_proof import check_expert_class, expert_casts
 from moe_rewrite.errors import RewriteError
 
 READS: tuple[Field, ...] = ("moe",)
@@ -60,4 +73,13 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             f"({'; '.join(', '.join(names) for names in sorted(found))}); the generated code reads one set of names"
         )
     context.projections = found.pop()
+    casts = sorted(filter(None, (expert_casts(expert, classes) for expert in experts)))
+    if casts:
+        context.need_per_expert_layers(
+            f"{casts[0]}: casts x to its weights' dtype and back (ESFT: fp32 experts beside bf16 ones), which "
+            "fused experts, one dtype for all, cannot express"
+        )
+        if not context.options.expert_casts:
+            context.options = dataclasses.replace(context.options, expert_casts=True)
+            context.rendered.clear()  # the sections hold the dtype check (render.features)
     return module

@@ -1,7 +1,11 @@
 """The expert class proved the published expert MLP (expert_mlp.py's docstring shows it): its chain of in-file bases
 down to nn.Module, its members, `__init__` (three bias-free nn.Linear projections of matching sizes, `act_fn =
 ACT2FN[config.hidden_act]`, plain attributes) and `forward` (`down(act_fn(gate(x)) * up(x))`, temporaries inlined);
-the projections' names are read from the forward's use."""
+the projections' names are read from the forward's use. DeepSeek's ESFT fork casts x to one projection's weight dtype
+first and the result back to x's dtype (`dtype = x.dtype`, `x = x.to(self.gate_proj.weight.dtype)`, ...,
+`return down_proj.to(dtype)`, its trainable fp32 experts beside frozen bf16 ones): that forward is the MLP between
+the two casts (dtype_cast), which the generated code runs as grouped GEMMs only where every expert's weights have x's
+dtype (the casts then do nothing), else through the experts' own forward."""
 
 from __future__ import annotations
 
@@ -219,6 +223,66 @@ def _check_forward(owner: str, forward: cst.FunctionDef, projections: tuple[str,
     )
 
 
+def dtype_cast(forward: cst.FunctionDef) -> tuple[cst.FunctionDef, str] | None:
+    """ESFT's expert forward, `D = x.dtype`, `x = x.to(self.P.weight.dtype)`, the MLP, `return R.to(D)`: (the forward
+    with the casts taken out, `return R`, and P), or None where the forward is not of that shape. D is read nowhere
+    else."""
+    params = _params(forward)
+    if len(params) != 2:
+        return None
+    x = params[1]
+    stmts = _statements(forward, "")
+    if len(stmts) < 3:
+        return None
+    first, second, last = stmts[0], stmts[1], stmts[-1]
+    if not (
+        isinstance(first, cst.Assign)
+        and len(first.targets) == 1
+        and isinstance(first.targets[0].target, cst.Name)
+        and m.matches(first.value, m.Attribute(value=m.Name(x), attr=m.Name("dtype")))
+    ):
+        return None
+    dtype = first.targets[0].target.value
+    if dtype in (x, "self"):
+        return None
+    cast = m.Call(
+        func=m.Attribute(value=m.Name(x), attr=m.Name("to")),
+        args=[
+            m.Arg(
+                keyword=None,
+                star="",
+                value=m.Attribute(
+                    value=m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name()), attr=m.Name("weight")),
+                    attr=m.Name("dtype"),
+                ),
+            )
+        ],
+    )
+    if not (
+        isinstance(second, cst.Assign)
+        and len(second.targets) == 1
+        and m.matches(second.targets[0].target, m.Name(x))
+        and m.matches(second.value, cast)
+    ):
+        return None
+    back = m.Call(func=m.Attribute(attr=m.Name("to")), args=[m.Arg(keyword=None, star="", value=m.Name(dtype))])
+    if not (isinstance(last, cst.Return) and last.value is not None and m.matches(last.value, back)):
+        return None
+    middle = stmts[2:-1]
+    result = cst.ensure_type(cst.ensure_type(last.value, cst.Call).func, cst.Attribute).value
+    kept = [*middle, cst.Return(value=result)]
+    if any(m.findall(stmt, m.Name(dtype)) for stmt in kept):
+        return None  # D read again: not only the cast back
+    projection = cst.ensure_type(
+        cst.ensure_type(cst.ensure_type(second.value, cst.Call).args[0].value, cst.Attribute).value, cst.Attribute
+    )
+    owner = cst.ensure_type(projection.value, cst.Attribute).attr.value
+    body = cst.IndentedBlock(
+        body=[s if isinstance(s, cst.BaseCompoundStatement) else cst.SimpleStatementLine(body=[s]) for s in kept]
+    )
+    return forward.with_changes(body=body), owner
+
+
 def _returned(forward: cst.FunctionDef, x: str) -> tuple[ast.AST | None, cst.CSTNode | None]:
     """The forward's result as one expression of `x` (each temporary inlined where it is read, once; a name may be
     assigned again once its value was read: `h = f(x)`, `h = g(h)`), or None and the first statement that is not
@@ -314,13 +378,30 @@ def _check_methods(name: str, chain: list[cst.ClassDef]) -> tuple[str, str, str]
     for method, resolved in found.items():
         if resolved is None:
             raise RewriteError(f"{name}: no {method} in the expert class or its in-file bases")
-    forward = found["forward"][1]  # type: ignore[index]
+    owner, forward = found["forward"]  # type: ignore[misc]
+    cast = dtype_cast(forward)
+    if cast is not None:  # ESFT: the MLP between a cast to one projection's weight dtype and the cast back
+        forward = cast[0]
     projections = projections_by_use(forward)
     if projections is None:
         init = found["__init__"][1]  # type: ignore[index]
         if not all(m.findall(init, m.Attribute(value=m.Name("self"), attr=m.Name(name))) for name in PROJECTIONS):
-            _check_forward(*found["forward"])  # type: ignore[misc]  # other names: the forward is what differs
+            _check_forward(owner, forward)  # other names: the forward is what differs
         projections = PROJECTIONS
     _check_init(*found["__init__"], projections)  # type: ignore[misc]
-    _check_forward(*found["forward"], projections)  # type: ignore[misc]
+    _check_forward(owner, forward, projections)
+    if cast is not None and cast[1] not in projections:
+        raise RewriteError(
+            f"{owner}.forward: casts x to self.{cast[1]}.weight.dtype, which is not one of its projections "
+            f"({', '.join(projections)}); moe-rewrite cannot tell when that cast does nothing"
+        )
     return projections
+
+
+def expert_casts(name: str, classes: dict[str, cst.ClassDef]) -> str | None:
+    """ "Class.forward" where the (proved) expert class's forward casts x to its weights' dtype and back (ESFT), else
+    None."""
+    resolved = _resolve(_chain(name, classes, name), "forward")
+    if resolved is None or dtype_cast(resolved[1]) is None:
+        return None
+    return f"{resolved[0]}.forward"

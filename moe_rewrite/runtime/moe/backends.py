@@ -66,3 +66,17 @@ def _moe_rewrite_loop(experts, x, topk_ids, topk_weight):
             continue
         y[flat_ids == i] = expert(x[flat_ids == i])
     return _moe_rewrite_combine(y, topk_weight)
+
+
+# generated with: expert-casts
+def _moe_rewrite_experts_cast(experts, dtype):
+    """Whether some expert's forward casts its input: experts that cast x to their weights' dtype and the result back
+    (DeepSeek's ESFT fork: trainable fp32 experts beside frozen bf16 ones) compute their plain MLP only where every
+    projection's weight has x's `dtype`, and the grouped GEMMs then compute them exactly; else moe_train runs the
+    per-expert loop, the experts' own forward (the published loop)."""
+    for expert in experts._modules.values() if isinstance(experts, torch.nn.Module) else experts:
+        for module in () if expert is None else expert._modules.values():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype != dtype:
+                return True
+    return False

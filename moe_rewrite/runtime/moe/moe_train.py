@@ -13,7 +13,7 @@ from ..kernels.dispatch import (
     _moe_rewrite_options,
     _moe_rewrite_triton,
 )
-from .backends import _moe_rewrite_loop, _moe_rewrite_sonicmoe_experts
+from .backends import _moe_rewrite_experts_cast, _moe_rewrite_loop, _moe_rewrite_sonicmoe_experts
 from .expert_output import _moe_rewrite_is_silu, _MoeRewriteCombine, _MoeRewriteExpertOutput, _MoeRewriteSwiGLU
 from .expert_parallel import _moe_rewrite_expert_parallel, _moe_rewrite_fsdp2_unit, _moe_rewrite_run_experts
 from .grouped_linear import _moe_rewrite_linear, _MoeRewriteGather, _MoeRewriteGatherPlan
@@ -111,6 +111,8 @@ class MoE:
             return _moe_rewrite_run_experts(self, x, topk_ids, topk_weight, out_dtype)
         dtype = _moe_rewrite_compute_dtype(x)
         kernel = _moe_rewrite_kernel(x.device, dtype)
+        # generated with: expert-casts
+        kernel = "loop" if _moe_rewrite_experts_cast(self.experts, x.dtype) else kernel  # ESFT's fp32 and bf16 experts
         weights = None if kernel == "loop" else self.moe_rewrite_expert_weights()
         if weights is not None:
             experts = weights.gate_up.shape[0]
