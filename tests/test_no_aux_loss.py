@@ -1,11 +1,13 @@
 """aux_loss_alpha = 0 (set for fine-tuning) in a V2-form file: the published gate returns no aux loss in training and
-the published `AddAuxiliaryLoss.apply(y, aux_loss)` fails on None. Rewritten, training says why in one error naming
-config.aux_loss_alpha and the opt-in; with config.moe_rewrite_train_without_aux_loss = True it trains without the aux
-loss: the published loop's numbers, fp32, every gradient."""
+the published `AddAuxiliaryLoss.apply(y, aux_loss)` fails on None. Rewritten, it trains without the aux loss (alpha 0:
+it weighs nothing) and says so in one warning per process: the published loop's numbers with the loss skipped, fp32,
+every gradient. config.moe_rewrite_train_without_aux_loss = True, the opt-in earlier releases asked for, is still
+accepted, silently."""
 
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import pytest
 
@@ -49,22 +51,11 @@ def _step(model, ids):
 IDS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(22))
 
 
-def test_alpha_0_says_why_and_names_the_opt_in(checkpoints):
-    rewritten, published = checkpoints
-    with pytest.raises(AttributeError):  # what the published file does: None.numel()
-        _step(_load(published), IDS)
-    model = _load(rewritten)
-    with pytest.raises(ValueError, match=rf"config\.aux_loss_alpha = 0\.0.*config\.{OPT_IN} = True"):
-        _step(model, IDS)
-    with torch.no_grad():
-        assert torch.isfinite(model.eval()(input_ids=IDS).logits).all()  # eval has no aux loss to add
-
-
-def test_alpha_0_with_the_opt_in_trains_without_the_aux_loss(checkpoints, monkeypatch):
+def _without_aux_loss(published):
     """The reference: the published loop, its AddAuxiliaryLoss skipped where the gate gives None."""
-    rewritten, published = checkpoints
     reference = _load(published)
-    published_add = model_module(reference).AddAuxiliaryLoss
+    module = model_module(reference)
+    published_add = module.AddAuxiliaryLoss
 
     class SkipNone:
         @staticmethod
@@ -72,13 +63,72 @@ def test_alpha_0_with_the_opt_in_trains_without_the_aux_loss(checkpoints, monkey
             assert loss is None  # alpha 0: the gate gives no aux loss
             return y
 
-    monkeypatch.setattr(model_module(reference), "AddAuxiliaryLoss", SkipNone)
-    own_loss, own_grads = _step(reference, IDS)
-    monkeypatch.setattr(model_module(reference), "AddAuxiliaryLoss", published_add)
-    model = _load(rewritten)
-    setattr(model.config, OPT_IN, True)  # the MoE layers share the model's config
-    loss, grads = _step(model, IDS)
+    module.AddAuxiliaryLoss = SkipNone
+    try:
+        return _step(reference, IDS)
+    finally:
+        module.AddAuxiliaryLoss = published_add
+
+
+def _assert_same(run, reference):
+    (loss, grads), (own_loss, own_grads) = run, reference
     assert abs(loss - own_loss) <= ATOL and grads.keys() == own_grads.keys()
     assert any(".mlp.gate." in name for name in grads)  # the router still trains through the weights
     for name, grad in own_grads.items():
         assert (grads[name] - grad).abs().max().item() <= ATOL, name
+
+
+def test_alpha_0_trains_without_the_aux_loss_and_says_so_once(checkpoints):
+    """Alpha 0: the aux loss weighs nothing, so the layers train without it, no switch needed: the published loop's
+    numbers with the loss skipped (where the published file itself fails on None), and one warning for the process,
+    however many layers and steps."""
+    rewritten, published = checkpoints
+    with pytest.raises(AttributeError):  # what the published file does: None.numel()
+        _step(_load(published), IDS)
+    model = _load(rewritten)
+    model_module(model)._moe_rewrite_no_aux_loss_said.clear()  # as in a fresh process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _step(model, IDS)
+        again = _step(model, IDS)
+    said = [w for w in caught if "aux_loss_alpha = 0" in str(w.message)]
+    assert len(said) == 1 and "train without it" in str(said[0].message), [str(w.message) for w in caught]
+    reference = _without_aux_loss(published)
+    _assert_same(run, reference)
+    _assert_same(again, reference)
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(input_ids=IDS).logits).all()  # eval has no aux loss to add
+
+
+def test_the_old_opt_in_is_still_accepted_silently(checkpoints):
+    rewritten, published = checkpoints
+    model = _load(rewritten)
+    setattr(model.config, OPT_IN, True)  # the MoE layers share the model's config
+    model_module(model)._moe_rewrite_no_aux_loss_said.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _step(model, IDS)
+    assert not [w for w in caught if "aux_loss_alpha" in str(w.message)]
+    _assert_same(run, _without_aux_loss(published))
+
+
+def test_no_aux_loss_with_another_alpha_says_why(checkpoints):
+    """A gate that returns no aux loss in training while alpha is not 0 (here: negative, which the published gate
+    also skips) is an error naming config.aux_loss_alpha, not a silent change."""
+    rewritten, _ = checkpoints
+    model = _load(rewritten)
+    model.config.aux_loss_alpha = -0.1
+    with pytest.raises(ValueError, match=r"config\.aux_loss_alpha = -0\.1"):
+        _step(model, IDS)
+
+
+def test_a_file_rewritten_with_the_old_note_gets_the_new_one_once():
+    from moe_rewrite.codemods.moe.no_aux_loss import NOTE
+    from moe_rewrite.options import RewriteOptions
+    from moe_rewrite.rewrite import rewrite_source
+
+    text = rewrite_source((V2_DIR / "modeling_deepseek.py").read_text(), RewriteOptions()).text
+    assert text.count(NOTE) == 1
+    old = "# moe-rewrite: with aux_loss_alpha = 0, an error, or no aux loss (config.moe_rewrite_train_without_aux_loss)"
+    again = rewrite_source(text.replace(NOTE, old), RewriteOptions()).text
+    assert again == text

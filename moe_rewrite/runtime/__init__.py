@@ -138,7 +138,7 @@ SECTION_LIST = (
     Entry(
         "no_aux_loss",
         "router",
-        "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: a clear error, or none (opt-in)",
+        "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: trained without it, said once",
     ),
     Entry(
         "attention",

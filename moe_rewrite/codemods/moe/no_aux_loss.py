@@ -1,4 +1,4 @@
-"""Where aux_loss_alpha = 0, let the V2-form MoE forward say why it cannot train, or train without the aux loss.
+"""Where aux_loss_alpha = 0, let the V2-form MoE forward train without the aux loss (it weighs nothing).
 
 The published gate returns no aux loss (None) in training when aux_loss_alpha is 0, which users set for fine-tuning,
 and the MoE forward's `AddAuxiliaryLoss.apply(y, aux_loss)` then fails on None (its forward starts with
@@ -7,14 +7,15 @@ and the MoE forward's `AddAuxiliaryLoss.apply(y, aux_loss)` then fails on None (
     # Before
     y = AddAuxiliaryLoss.apply(y, aux_loss)
     # After
-    # moe-rewrite: with aux_loss_alpha = 0, an error, or no aux loss (config.moe_rewrite_train_without_aux_loss)
+    # moe-rewrite: with aux_loss_alpha = 0, no aux loss (it weighs nothing; a warning says so once)
     y = _moe_rewrite_add_aux_loss(AddAuxiliaryLoss, y, aux_loss, self.config)
 
-which makes the published call whenever the gate returns a loss; for None it raises an error naming
-config.aux_loss_alpha and the opt-in, or, with config.moe_rewrite_train_without_aux_loss = True, returns y: training
-without the aux loss. Only a call into a class of the file whose forward starts with that assert (so that the
-published code fails on None) in a MoE class that keeps its config as `self.config` is changed; others stay as they
-are.
+which makes the published call whenever the gate returns a loss; for None with aux_loss_alpha = 0 it returns y,
+training without the aux loss (the published loop's numbers with the loss skipped), and warns once per process; for
+None with another alpha it raises an error naming config.aux_loss_alpha (config.moe_rewrite_train_without_aux_loss
+= True, the opt-in earlier releases asked for, still returns y, silently). Only a call into a class of the file whose
+forward starts with that assert (so that the published code fails on None) in a MoE class that keeps its config as
+`self.config` is changed; others stay as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from moe_rewrite.codemods.kit import MARK, Context, Field, class_methods, code, 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()
 OUR_CALL = "_moe_rewrite_add_aux_loss"
-NOTE = f"{MARK}: with aux_loss_alpha = 0, an error, or no aux loss (config.moe_rewrite_train_without_aux_loss)"
+NOTE = f"{MARK}: with aux_loss_alpha = 0, no aux loss (it weighs nothing; a warning says so once)"
+NOTE_PREFIX = f"{MARK}: with aux_loss_alpha = 0, "  # this note's, and earlier releases' (replaced by NOTE)
 APPLY = m.Call(
     func=m.Attribute(value=m.Name(), attr=m.Name("apply")),
     args=[m.Arg(keyword=None, star=""), m.Arg(keyword=None, star="")],
@@ -67,12 +69,14 @@ class _Calls(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine:
-        if not m.findall(updated_node, m.Call(func=m.Name(OUR_CALL))) or any(
-            line.comment is not None and line.comment.value == NOTE for line in updated_node.leading_lines
-        ):
+        if not m.findall(updated_node, m.Call(func=m.Name(OUR_CALL))):
             return updated_node
-        note = cst.EmptyLine(comment=cst.Comment(NOTE))
-        return updated_node.with_changes(leading_lines=[*updated_node.leading_lines, note])
+        comments = [line.comment.value for line in updated_node.leading_lines if line.comment is not None]
+        ours = [comment for comment in comments if comment.startswith(NOTE_PREFIX)]
+        if ours == [NOTE]:
+            return updated_node
+        lines = [line for line in updated_node.leading_lines if not (line.comment and line.comment.value in ours)]
+        return updated_node.with_changes(leading_lines=[*lines, cst.EmptyLine(comment=cst.Comment(NOTE))])
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
