@@ -53,7 +53,7 @@ def _errors(model, ref, ep):
         if param.grad is None:
             continue
         grad, want = _whole(param.grad), ref_grads[name].grad
-        if want is None:  # no gradient in one process: zero (the all-reduce makes zeros of missing ones)
+        if want is None:  # no gradient in one process: zero (a gradient only some ranks have is zero on the others)
             want = torch.zeros_like(ref_grads[name])
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and ep > 1:
             first = dist.get_rank() % ep * grad.shape[0]
@@ -365,3 +365,107 @@ def test_the_multi_gpu_bench_scripts_run_on_the_cpu(tmp_path, tmp_path_factory):
         _torchrun("bench/e2e/train.py", *args, cwd=root)
         losses[ep] = json.loads(out.read_text())["losses"]
     assert losses[1][0] == losses[2][0]  # the same initial weights and batch
+
+
+def _bias_and_ddp_worker(rank, ckpt, out_dir):
+    """Two ranks at ep 2 without FSDP: moe_rewrite_all_reduce_gradients leaves the V3 router's e_score_correction_bias
+    (no rank has a gradient for it) without one, so that AdamW's weight decay leaves it as it is, averages the rest as
+    before (a gradient only one rank has counts as zero on the other); DistributedDataParallel around the model is
+    refused in its constructor, before it broadcasts rank 0's experts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ref = build_model(ckpt, seed=3).train()
+    with torch.no_grad():
+        for layer in _moe_layers(ref):
+            layer.gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, 8))
+    whole = os.path.join(out_dir, "whole")
+    if rank == 0:
+        ref.save_pretrained(whole)
+    dist.barrier()
+    ids, mask, labels = _batches(ref.config.vocab_size)
+    for r in range(2):
+        ref(input_ids=ids[r], attention_mask=mask[r], labels=labels[r]).loss.backward()
+    for param in ref.parameters():
+        if param.grad is not None:
+            param.grad /= 2
+    results = {}
+    model = type(ref).from_pretrained(whole, ep_size=2, torch_dtype=torch.float32).train()
+    model(input_ids=ids[rank], attention_mask=mask[rank], labels=labels[rank]).loss.backward()
+    only_rank_0 = model.lm_head.weight  # a gradient one rank has and the other not: zeros there
+    ref_only = ref.lm_head.weight.grad.clone()
+    if rank == 1:
+        only_rank_0.grad = None
+    else:
+        only_rank_0.grad = ref_only.clone()  # so that the average is half of it
+    model.moe_rewrite_all_reduce_gradients()
+    biases = [layer.gate.e_score_correction_bias for layer in _moe_layers(model)]
+    results["bias_grads"] = [bias.grad is None for bias in biases]
+    results["only_rank_0"] = (only_rank_0.grad - ref_only / 2).abs().max().item()
+    errors = _errors(model, ref, 2)
+    errors.pop("lm_head.weight")
+    results["grad_error"] = max(errors.values())
+    results["grads"] = len(errors)
+    before = [bias.detach().clone() for bias in biases]
+    torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5).step()
+    results["bias_moved"] = max((bias - b).abs().max().item() for bias, b in zip(biases, before))
+    # DDP: refused in its constructor, the experts as loaded
+    model = type(ref).from_pretrained(whole, ep_size=2, torch_dtype=torch.float32).train()
+    experts = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
+    try:
+        DistributedDataParallel(model)
+    except NotImplementedError as error:
+        results["ddp"] = str(error)
+    results["experts_kept"] = all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
+    try:  # the base model inside, another PreTrainedModel subclass of the file: refused the same way
+        DistributedDataParallel(model.model)
+    except NotImplementedError as error:
+        results["ddp_inner"] = str(error)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(os.path.join(out_dir, "bias_ddp.json"), "w") as f:
+            json.dump(gathered, f)
+
+
+@pytest.fixture(scope="module")
+def bias_ddp_results(tmp_path_factory):
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    out = tmp_path_factory.mktemp("bias_ddp")
+    run_ranks(_bias_and_ddp_worker, out, ckpt, world=2)
+    return json.loads((out / "bias_ddp.json").read_text())
+
+
+def test_all_reduce_gradients_leaves_the_router_bias_without_a_gradient(bias_ddp_results):
+    for results in bias_ddp_results:
+        assert results["bias_grads"] and all(results["bias_grads"])
+        assert results["bias_moved"] == 0.0  # AdamW with weight decay skips a parameter without a gradient
+        assert results["only_rank_0"] < 1e-6  # zeros on the rank without it: half of rank 0's
+        assert results["grads"] > 10 and results["grad_error"] < 2e-6
+
+
+def test_ddp_around_an_expert_parallel_model_is_refused(bias_ddp_results):
+    for results in bias_ddp_results:
+        for key in ("ddp", "ddp_inner"):
+            assert "DistributedDataParallel cannot wrap a model under expert parallelism (ep_size=2)" in results[key]
+            assert "model.moe_rewrite_fully_shard()" in results[key]
+            assert "model.moe_rewrite_all_reduce_gradients()" in results[key]
+        assert results["experts_kept"]
+
+
+def test_ddp_without_expert_parallelism_is_as_published(tmp_path_factory, tmp_path):
+    """ep_size 1: DistributedDataParallel wraps the model as it would the published one, and the parameters to ignore
+    set through its static method reach its constructor."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    if dist.is_initialized():
+        pytest.skip("needs no process group of its own")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = build_model(ckpt)
+        assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+        assert DistributedDataParallel(model).parameters_to_ignore == set()
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["lm_head.weight"])
+        assert DistributedDataParallel(model).parameters_to_ignore == {"lm_head.weight"}
+    finally:
+        dist.destroy_process_group()

@@ -55,6 +55,10 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         "_make_subclass",
         "_disabled_torch_function_impl",
         "_did_swap_in_out_features",
+        # DDP's constructor reads the first (the model's property refuses DDP under expert parallelism); the second
+        # sets it (the property's setter keeps that working without expert parallelism)
+        "_ddp_params_and_buffers_to_ignore",
+        "_set_params_and_buffers_to_ignore_for_model",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -255,6 +259,56 @@ def test_accelerate_marks_dispatched_modules_with_hf_hook():
     module = torch.nn.Linear(2, 2)
     hooks.add_hook_to_module(module, hooks.ModelHook())
     assert hasattr(module, "_hf_hook")
+
+
+def test_ddp_reads_the_parameters_to_ignore_through_hasattr_in_its_constructor():
+    """expert_parallel_model.py: the model's `_ddp_params_and_buffers_to_ignore` property refuses
+    DistributedDataParallel under expert parallelism. DDP's __init__ reads it with hasattr() before it broadcasts
+    anything, so an error other than AttributeError reaches the caller; AttributeError means none to ignore, and
+    _set_params_and_buffers_to_ignore_for_model sets it (through the property's setter)."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+
+    class Refused(LookupError):
+        pass
+
+    class Guarded(torch.nn.Linear):
+        refuse = False
+
+        @property
+        def _ddp_params_and_buffers_to_ignore(self):
+            if self.refuse:
+                raise Refused("refused")
+            if "ignored" not in self.__dict__:
+                raise AttributeError("_ddp_params_and_buffers_to_ignore")
+            return self.__dict__["ignored"]
+
+        @_ddp_params_and_buffers_to_ignore.setter
+        def _ddp_params_and_buffers_to_ignore(self, value):
+            self.__dict__["ignored"] = value
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+        try:
+            module = Guarded(2, 2)
+            module.refuse = True
+            broadcasts = []
+            real_broadcast = dist.broadcast
+            dist.broadcast = lambda *args, **kwargs: broadcasts.append(1) or real_broadcast(*args, **kwargs)
+            try:
+                with pytest.raises(Refused):
+                    DistributedDataParallel(module)
+            finally:
+                dist.broadcast = real_broadcast
+            module.refuse = False
+            assert DistributedDataParallel(module).parameters_to_ignore == set()
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["bias"])
+            assert DistributedDataParallel(module).parameters_to_ignore == {"bias"}
+        finally:
+            dist.destroy_process_group()
 
 
 def test_fsdp_marks_the_modules_it_manages():

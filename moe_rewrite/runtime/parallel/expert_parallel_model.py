@@ -92,6 +92,30 @@ def _moe_rewrite_experts_shard_kwargs(unit, kwargs):
 
 class Model:
     # generated with: expert-parallel
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """Refuses DistributedDataParallel under expert parallelism, in its constructor, before it broadcasts rank 0's
+        parameters: DDP's __init__ reads this attribute through hasattr(), which lets any error but AttributeError
+        through (torch 2.5 to 2.13; tests/test_private_apis.py). Without expert parallelism it is the plain attribute
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets (absent until then)."""
+        ep = _moe_rewrite_ep_size(self)
+        if ep > 1:
+            raise NotImplementedError(
+                f"moe-rewrite: DistributedDataParallel cannot wrap a model under expert parallelism (ep_size={ep}): "
+                "its constructor would broadcast rank 0's experts over every other rank's, and it would average "
+                "different experts' gradients; shard with model.moe_rewrite_fully_shard() (FSDP2), or train without "
+                "a wrapper and call model.moe_rewrite_all_reduce_gradients() after backward"
+            )
+        if "_moe_rewrite_ddp_ignored" not in self.__dict__:
+            raise AttributeError("_ddp_params_and_buffers_to_ignore")
+        return self.__dict__["_moe_rewrite_ddp_ignored"]
+
+    # generated with: expert-parallel
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, value):
+        self.__dict__["_moe_rewrite_ddp_ignored"] = value
+
+    # generated with: expert-parallel
     def moe_rewrite_expert_parallel(self, group=None):
         """Exchange every MoE layer's rows in `group`, a torch.distributed ProcessGroup or a one-dimensional
         DeviceMesh (mesh["ep"]), instead of the default one the layers make on first use; it must hold this rank's
@@ -154,9 +178,11 @@ class Model:
         return self
 
     def moe_rewrite_all_reduce_gradients(self):
-        """Without FSDP (or DDP) under expert parallelism, after backward: every gradient averaged over the world, the
-        experts' summed over the ranks holding the same experts and divided by the world size (their all-to-all
-        backward already summed the expert-parallel group's tokens). Parameters without a gradient count as zeros."""
+        """Without FSDP under expert parallelism (DistributedDataParallel is refused), after backward: every gradient
+        averaged over the world, the experts' summed over the ranks holding the same experts and divided by the world
+        size (their all-to-all backward already summed the expert-parallel group's tokens). A parameter no rank has a
+        gradient for (the V3 router's e_score_correction_bias) keeps none, as in one process and under FSDP2, so that
+        weight decay leaves it as it is; one that only some ranks have a gradient for counts as zeros on the others."""
         dist = torch.distributed
         world, ep = dist.get_world_size(), _moe_rewrite_ep_size(self)
         expert_ids = {id(p) for layer in _moe_rewrite_moe_layers(self) for p in layer.experts.parameters()}
@@ -167,6 +193,12 @@ class Model:
         else:
             groups[None] = trained
         for group, params in groups.items():
+            if not params:
+                continue
+            # which parameters any rank of the group has a gradient for (the ranks list the same parameters in order)
+            has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+            dist.all_reduce(has_grad, group=group)
+            params = [p for p, count in zip(params, has_grad.tolist()) if count]
             for dtype in sorted({p.dtype for p in params}, key=str):  # one all-reduce per group and dtype
                 same = [p for p in params if p.dtype == dtype]
                 for p in same:
