@@ -16,8 +16,9 @@ from .expert_linears import _moe_rewrite_projections
 def _moe_rewrite_fp8_linear(module):
     """(codes, scales) of a layer holding an FP8 block-quantized weight as transformers' FP8Linear holds it: an
     nn.Linear with no bias, whose weight is float8_e4m3fn and weight_scale_inv one scale per 128 x 128 block (float32
-    in the checkpoint; transformers 4.x loads it in the model's dtype, bf16: a relative change of up to 2^-9, which
-    stays); None for anything else (other block sizes, static activation scales, other parameters or buffers)."""
+    in the checkpoint; transformers 4.x loads it in the model's dtype, bf16: a relative change of up to 2^-8, which
+    stays, so the weights are then those of bf16-rounded scales, not DeepSeek's fp8_cast_bf16 output); None for
+    anything else (other block sizes, static activation scales, other parameters or buffers)."""
     if not isinstance(module, torch.nn.Linear):
         return None
     params = {k: v for k, v in module._parameters.items() if v is not None}
