@@ -47,6 +47,7 @@ from moe_rewrite.codemods.kit import (
 )
 from moe_rewrite.codemods.model import attention
 from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
+from moe_rewrite.codemods.model.mask_flow import Chain
 
 READS: tuple[Field, ...] = ("notes", "sdpa_classes")  # the attention codemod's
 PROVIDES: tuple[Field, ...] = ("notes",)
@@ -216,8 +217,9 @@ class _UsesAfter(cst.CSTVisitor):
             self.found = node
 
 
-def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | None:
-    """Why the statement is not the published call (None when it is)."""
+def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine, model: str, chain: Chain) -> str | None:
+    """Why the statement is not the published call, its mask passed untouched to the proven attention cores (None
+    when it is)."""
     target, call = _assign(stmt)
     shown = f"`{target} = {BUILD}(...)`"
     params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
@@ -235,7 +237,7 @@ def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | Non
     forward.visit(uses)
     if uses.found is not None:
         return f"`{target}` is used after {shown} other than passed on to a call"
-    return None
+    return chain.why_not(model, forward, stmt, target)
 
 
 def _why_not(module: cst.Module, context: Context) -> str | None:
@@ -267,11 +269,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if not found or not any(note.concern == attention.CONCERN for note in notes):
         return module
     reason = _why_not(module, context)
+    chain = Chain(module, context.sdpa_selected())
     done = []
     for name, forward in found:
         new, i = forward, 0
         while i < len(calls := _calls(new, BUILD, index)):  # one at a time: deep_replace makes new nodes
-            why = reason or _prove(new, calls[i])
+            why = reason or _prove(new, calls[i], name, chain)
             if why is not None:
                 notes.append(Note(CONCERN, name, False, why))
                 i += 1  # a wrapped call is no longer one of `calls`: the next one takes its index
