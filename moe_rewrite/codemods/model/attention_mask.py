@@ -20,11 +20,12 @@ runs SDPA; everywhere else it calls the file's own function with the same argume
 
 Proven first: the statement assigns the forward's own mask parameter from transformers'
 `_prepare_4d_causal_attention_mask` (imported, or the compat codemod's copy of it), called with four positional
-arguments, the first that parameter; the class is a PreTrainedModel's; after the call the mask is only passed on to
-calls (the layers). And only where the attention codemod rewrote the attention every "sdpa" load selects, and left no
-attention class as published: a None mask would reach the published core's `assert attention_mask is not None`.
-Otherwise the call stays as published, with a summary line. Every run first takes back an earlier one's wrapper
-(--no-sdpa gives the published call back).
+arguments, the first that parameter; the class is a PreTrainedModel's; after the call the mask goes untouched to the
+proven attention cores (mask_flow.py: only passed on, Model -> decoder layer -> attention, which reads it only in its
+core; a window, arithmetic, an in-place edit or a raise without it on the way would see None). And only where the
+attention codemod rewrote the attention every "sdpa" load selects, and left no attention class as published: a None mask
+would reach the published core's `assert attention_mask is not None`. Otherwise the call stays as published, with a
+summary line. Every run first takes back an earlier one's wrapper (--no-sdpa gives the published call back).
 """
 
 from __future__ import annotations
