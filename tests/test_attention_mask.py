@@ -243,6 +243,12 @@ LEFT = {
         "        if attention_mask is None:\n            raise ValueError('no mask')\n" + CORE,
         "DeepseekV3Attention.forward uses the mask outside its core: `if attention_mask is None:`",
     ),
+    "(d) built only where a 2-D mask is given": (
+        "            attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "            if attention_mask is not None:\n"
+        "                attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "DeepseekV3Model.forward builds the mask only under `attention_mask is not None`: None would reach the layers",
+    ),
     "passed to another function by the decoder layer": (
         DECODER,
         "        torch._assert(torch.isfinite(attention_mask).any(), 'mask')\n" + DECODER,

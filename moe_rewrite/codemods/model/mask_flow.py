@@ -105,7 +105,11 @@ class Chain:
         """None where the mask `stmt` builds in the Model's forward reaches only proven attention cores, untouched."""
         tree = _tree(forward)
         parents = _parents(tree)
-        build = _build_line(tree, stmt)
+        built = _build(tree, stmt)
+        build = built.end_lineno or built.lineno
+        guard = _unless_flash(tree, built, parents)
+        if guard is not None:
+            return f"{model}.forward builds the mask only under `{guard}`: None would reach the layers otherwise"
         uses = [u for u in _uses(tree, mask) if u.lineno > build]
         for use in uses:
             passed = _passed(use, parents)
@@ -261,13 +265,36 @@ def _same(a: ast.AST, b: ast.AST) -> bool:
     return ast.unparse(a) == ast.unparse(b)
 
 
-def _build_line(tree: ast.FunctionDef, stmt: cst.SimpleStatementLine) -> int:
-    """The last line of the build statement `stmt` in the forward's tree (found by its text)."""
+def _build(tree: ast.FunctionDef, stmt: cst.SimpleStatementLine) -> ast.Assign:
+    """The build statement `stmt` in the forward's tree (found by its text)."""
     text = ast.dump(ast.parse(code(stmt.with_changes(leading_lines=[])).strip()).body[0])
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and ast.dump(node) == text:
-            return node.end_lineno or node.lineno
+            return node
     raise AssertionError("the mask's build statement is not in its forward")
+
+
+def _flash(test: ast.expr) -> bool:
+    """A test whether the model runs flash-attn (`self._use_flash_attention_2`, `... == "flash_attention_2"`)."""
+    return "flash" in ast.unparse(test)
+
+
+def _unless_flash(tree: ast.FunctionDef, build: ast.Assign, parents: dict[int, ast.AST]) -> str | None:
+    """None where the build runs whenever flash-attn is off (at the forward's top level, or in the branch of an
+    `if` on flash-attn taken without it); else the first test it is under."""
+    node: ast.AST = build
+    while id(node) in parents and parents[id(node)] is not tree:
+        parent = parents[id(node)]
+        if isinstance(parent, ast.If):
+            negated = isinstance(parent.test, ast.UnaryOp) and isinstance(parent.test.op, ast.Not)
+            test = parent.test.operand if negated else parent.test  # type: ignore[attr-defined]
+            in_body = any(node is s for s in parent.body)
+            if not (_flash(test) and in_body == negated):
+                return ast.unparse(parent.test) if in_body else f"not ({ast.unparse(parent.test)})"
+        elif not isinstance(parent, ast.Assign):
+            return ast.unparse(parent).splitlines()[0]
+        node = parent
+    return None
 
 
 def _loop_over(forward: ast.FunctionDef, name: str, me: str) -> str | None:
