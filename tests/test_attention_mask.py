@@ -308,3 +308,23 @@ def test_the_mask_passed_by_position_to_the_decoder_layer_is_wrapped():
     result = rewrite_source(text)
     assert DONE in result.attention and "= _moe_rewrite_sdpa_mask(" in result.text
     assert not rewrite_source(result.text).changed
+
+
+def test_a_mask_built_only_with_a_2d_one_leaves_the_attention_as_published_too():
+    """(d) The published Model hands the layers None without a 2-D mask: its core refuses it (the assert) or runs
+    unmasked, where the SDPA branch would run it causal. The attention stays as published as well, saying why."""
+    text = FIXTURE.replace(
+        "            attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "            if attention_mask is not None:\n"
+        "                attention_mask = _prepare_4d_causal_attention_mask(\n",
+    )
+    result = rewrite_source(text)
+    assert result.attention[0].startswith(
+        "attention: DeepseekV3Attention left as published: the Model can hand it no mask (DeepseekV3Model.forward "
+        "builds the mask only under `attention_mask is not None`)"
+    ), result.attention
+    assert "_moe_rewrite_attention" not in result.text and "_moe_rewrite_sdpa_mask" not in result.text
+    assert "_supports_sdpa" not in result.text
+    assert not rewrite_source(result.text).changed
+    plain = rewrite_source(text, RewriteOptions(sdpa=False)).text  # the same, but for the banner's options
+    assert plain == result.text.replace("stacking=stack)", "stacking=stack, no-sdpa)", 1)

@@ -250,6 +250,22 @@ def _why_not(module: cst.Module, context: Context) -> str | None:
     return _not_imported(module, context.index)
 
 
+def _published_attention(module: cst.Module, context: Context, why: str) -> cst.Module:
+    """The module with the attention back as published, and its notes saying why: the published Model can hand the
+    layers no mask (`why`), which the published core reads as no mask at all (or refuses with its assert) where
+    _moe_rewrite_attention would run it causal."""
+    module = attention.undo(undo(module, context.index))
+    context.sections.discard("attention")
+    line = f"the Model can hand it no mask ({why}), which SDPA would run causal and the published core does not"
+    context.notes[:] = [
+        Note(attention.CONCERN, note.subject, False, line)
+        if note.concern == attention.CONCERN and note.rewritten
+        else note
+        for note in context.notes
+    ]
+    return module
+
+
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with the Model's mask call wrapped where proven (with --sdpa, the default); where a mask call stays
     as published, a note in context.notes saying why."""
@@ -284,6 +300,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             done.append(name)
         if new is not forward:
             module = replace(module, forward, new)
+    if chain.unmasked is not None:
+        return _published_attention(module, context, chain.unmasked)
     if done:
         context.sections.add("attention")
         names = ", ".join(done)

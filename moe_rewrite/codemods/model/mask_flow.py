@@ -92,6 +92,8 @@ class Chain:
     def __init__(self, module: cst.Module, sdpa_classes: tuple[str, ...]) -> None:
         self.module, self.classes = module, top_classes(module)
         self.sdpa_classes = sdpa_classes
+        # where the published Model can hand the layers no mask: why (the SDPA branch would run None as causal)
+        self.unmasked: str | None = None
         self.entries: dict[str, str] = {}  # dict name -> the class its marked "sdpa" entry selects
         for stmt in module.body:
             if m.matches(stmt, attention.SDPA_ENTRY) and is_marked(stmt):
@@ -109,7 +111,8 @@ class Chain:
         build = built.end_lineno or built.lineno
         guard = _unless_flash(tree, built, parents)
         if guard is not None:
-            return f"{model}.forward builds the mask only under `{guard}`: None would reach the layers otherwise"
+            self.unmasked = f"{model}.forward builds the mask only under `{guard}`"
+            return f"{self.unmasked}: None would reach the layers otherwise"
         uses = [u for u in _uses(tree, mask) if u.lineno > build]
         for use in uses:
             passed = _passed(use, parents)
