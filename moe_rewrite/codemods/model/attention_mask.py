@@ -286,7 +286,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if not found or not any(note.concern == attention.CONCERN for note in notes):
         return module
     reason = _why_not(module, context)
-    chain = Chain(module, context.sdpa_selected())
+    chain = Chain(module, context.sdpa_selected(), index)
     done = []
     for name, forward in found:
         new, i = forward, 0

@@ -24,9 +24,23 @@ ROPE_SCALING = "_moe_rewrite_rope_scaling"  # the compat codemod's read of confi
 DEPTH = 8  # nested helpers and attributes followed, at most
 
 
+_TREES: dict[int, tuple[cst.CSTNode, ast.stmt]] = {}  # id(node) -> (node, its tree): code() is the cost here
+
+
+def tree_of(node: cst.FunctionDef | cst.ClassDef) -> ast.stmt:
+    """The function's or class's `ast` tree (without its decorators and comments above), kept per node object."""
+    known = _TREES.get(id(node))
+    if known is not None and known[0] is node:
+        return known[1]
+    if len(_TREES) > 4096:
+        _TREES.clear()
+    tree = ast.parse(code(node.with_changes(leading_lines=[], decorators=[])).strip()).body[0]
+    _TREES[id(node)] = (node, tree)
+    return tree
+
+
 def _tree(fn: cst.FunctionDef) -> ast.FunctionDef:
-    tree = ast.parse(code(fn.with_changes(leading_lines=[], decorators=[])).strip()).body[0]
-    return tree  # type: ignore[return-value]
+    return tree_of(fn)  # type: ignore[return-value]
 
 
 def self_assignments(cls: cst.ClassDef, module: cst.Module, attr: str) -> list[tuple[ast.FunctionDef, ast.AST]]:
@@ -34,10 +48,9 @@ def self_assignments(cls: cst.ClassDef, module: cst.Module, attr: str) -> list[t
     the class and its bases in the file."""
     found = []
     for owner in in_file_lineage(cls, module):
-        for member in owner.body.body:
-            if not isinstance(member, cst.FunctionDef) or attr not in code(member):
+        for fn in tree_of(owner).body:  # type: ignore[attr-defined]
+            if not isinstance(fn, ast.FunctionDef):
                 continue
-            fn = _tree(member)
             me = fn.args.args[0].arg if fn.args.args else "self"
             for node in ast.walk(fn):
                 targets = node.targets if isinstance(node, ast.Assign) else []
@@ -229,8 +242,7 @@ def _assigned(fn: ast.FunctionDef, name: str) -> list[ast.expr] | None:
 
 def _registers(cls: cst.ClassDef, attr: str) -> bool:
     """Whether the class holds the string `attr` (register_buffer, register_parameter, setattr name it so)."""
-    tree = ast.parse(code(cls.with_changes(leading_lines=[], decorators=[])).strip())
-    return any(isinstance(n, ast.Constant) and n.value == attr for n in ast.walk(tree))
+    return any(isinstance(n, ast.Constant) and n.value == attr for n in ast.walk(tree_of(cls)))
 
 
 def why_not_number(scale: ast.expr, forward: cst.FunctionDef, cls: cst.ClassDef, module: cst.Module) -> str | None:

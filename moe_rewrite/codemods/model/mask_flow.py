@@ -22,11 +22,9 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from moe_rewrite.codemods.kit import class_methods, code, in_file_lineage, is_marked, top_classes
+from moe_rewrite.codemods.kit import Index, class_methods, code, in_file_lineage, is_marked, top_classes
 from moe_rewrite.codemods.model import attention
-from moe_rewrite.codemods.model.attention_core import find_core
-from moe_rewrite.codemods.model.attention_scale import self_assignments
-from moe_rewrite.codemods.model.branch import unbranched
+from moe_rewrite.codemods.model.attention_scale import self_assignments, tree_of
 
 CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # transformers' (partial of torch's checkpoint)
 CHECKPOINT_LAYER = "_moe_rewrite_checkpoint_layer"  # the gradient_checkpointing codemod's
@@ -35,7 +33,7 @@ Landing = str | int
 
 
 def _tree(fn: cst.FunctionDef) -> ast.FunctionDef:
-    return ast.parse(code(fn.with_changes(leading_lines=[], decorators=[])).strip()).body[0]  # type: ignore[return-value]
+    return tree_of(fn)  # type: ignore[return-value]
 
 
 def _parents(tree: ast.AST) -> dict[int, ast.AST]:
@@ -89,8 +87,8 @@ def _forward(cls: cst.ClassDef, module: cst.Module) -> cst.FunctionDef | None:
 class Chain:
     """What the proof reads from the file once."""
 
-    def __init__(self, module: cst.Module, sdpa_classes: tuple[str, ...]) -> None:
-        self.module, self.classes = module, top_classes(module)
+    def __init__(self, module: cst.Module, sdpa_classes: tuple[str, ...], index: Index) -> None:
+        self.module, self.classes, self.index = module, top_classes(module), index
         self.sdpa_classes = sdpa_classes
         # where the published Model can hand the layers no mask: why (the SDPA branch would run None as causal)
         self.unmasked: str | None = None
@@ -161,8 +159,9 @@ class Chain:
 
     def _defines(self, name: str) -> bool:
         """Whether the file assigns or defines `name` anywhere (a method, an attribute store)."""
-        tree = ast.parse(self.module.code)
-        for n in ast.walk(tree):
+        found = [s for s in self.module.body if name in self.index.facts(s).names]
+        trees = [tree_of(s) if isinstance(s, (cst.ClassDef, cst.FunctionDef)) else ast.parse(code(s)) for s in found]
+        for n in (n for tree in trees for n in ast.walk(tree)):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name:
                 return True
             if isinstance(n, ast.Attribute) and n.attr == name and not isinstance(n.ctx, ast.Load):
@@ -243,23 +242,27 @@ class Chain:
         return f"{shown}, not an attention class the SDPA rewrite proved"
 
     def _attention_forward(self, name: str, landing: Landing) -> str | None:
-        """Why the attention class reads the mask outside its proven core (None where it does not)."""
+        """Why the attention class reads the mask outside its proven core (None where it does not): the core is the
+        attention codemod's branch of this run, whose SDPA call takes the core's mask fourth."""
         rewritten = class_methods(self.classes[name]).get("forward") if name in self.classes else None
         if rewritten is None:
             return f"{name} has no forward of its own"
-        forward = unbranched(rewritten, attention.NOTE, attention.OUR_CALL)
-        core = find_core(forward)
-        if isinstance(core, str):
-            return f"{name}'s core is not proven: {core}"
-        tree = _tree(forward)
-        mask = core.bound["M"]
+        tree = _tree(rewritten)
+        calls = [
+            (s, n)
+            for s in tree.body
+            for n in ast.walk(s)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == attention.OUR_CALL
+        ]
+        if len(calls) != 1 or not isinstance(calls[0][0], ast.If) or not isinstance(calls[0][1].args[3], ast.Name):
+            return f"{name}.forward holds no proven core"
+        branch, mask = calls[0][0], calls[0][1].args[3].id  # type: ignore[attr-defined]
         if _parameter(tree, landing) != mask:
             return f"the mask reaches {name}.forward other than as `{mask}`"
         parents = _parents(tree)
-        for i, stmt in enumerate(tree.body):
-            if core.start <= i < core.end:
-                continue
-            for use in _uses(stmt, mask):  # type: ignore[arg-type]
+        for stmt in tree.body:
+            if stmt is not branch and _uses(stmt, mask):  # type: ignore[arg-type]
+                use = _uses(stmt, mask)[0]  # type: ignore[arg-type]
                 return f"{name}.forward uses the mask outside its core: `{_statement(use, parents)}`"
         return None
 
