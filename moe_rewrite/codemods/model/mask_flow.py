@@ -199,6 +199,8 @@ class Chain:
         if cst_forward is None:
             return f"{name} has no forward in the file"
         forward = _tree(cst_forward)
+        if not forward.args.args:
+            return f"{name}.forward takes no `self`"
         param = _parameter(forward, landing)
         if param is None:
             return f"the mask reaches {name}.forward's `*args` or `**kwargs`"
@@ -254,7 +256,8 @@ class Chain:
             for n in ast.walk(s)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == attention.OUR_CALL
         ]
-        if len(calls) != 1 or not isinstance(calls[0][0], ast.If) or not isinstance(calls[0][1].args[3], ast.Name):
+        args = calls[0][1].args if len(calls) == 1 else []
+        if len(args) < 4 or not isinstance(calls[0][0], ast.If) or not isinstance(args[3], ast.Name):
             return f"{name}.forward holds no proven core"
         branch, mask = calls[0][0], calls[0][1].args[3].id  # type: ignore[attr-defined]
         if _parameter(tree, landing) != mask:
