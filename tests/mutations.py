@@ -73,6 +73,9 @@ class Mutation:
     # for attention edits: "sdpa" (the core runs through SDPA) or what the line under the file's line must say about
     # the attention left as published (the Model's 4-D mask then stays as published too)
     attention: str = ""
+    # for edits of the Model's mask on its way: what the line saying the 4-D mask stays as published must say (the
+    # attention still runs through SDPA, with that mask)
+    mask: str = ""
     # the experts' (gate, up, down) projections as the variant's expert MLP uses them (for its gradients' names)
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # config.json keys the variant sets (the published file reads one the stand-in's config leaves out)
@@ -835,6 +838,95 @@ def _attention_mutations() -> list[Mutation]:
 
 
 MUTATIONS += _attention_mutations()
+
+DECODER_START = "        attn_in = self.input_layernorm(hidden_states)\n"
+ATTENTION_INIT = "        self._init_rope()\n"
+MASK_LEFT = "attention mask: DeepseekV3Model left as published: "
+SCALE_LEFT = LEFT + "the softmax scale `self.softmax_scale * "
+
+
+def _mask_and_scale_mutations() -> list[Mutation]:
+    """The Model's mask edited on its way to the attention core, and a tensor softmax scale (issue 47): the 4-D mask
+    (or the core) stays as published with a line saying why, and training gives the variant's own numbers. Without
+    the checks, the mask became None (a plain causal model: the window or the in-place edit skipped, the decoder's
+    raise or arithmetic failing on None) and the tensor scale reached SDPA's scale=, which takes a float."""
+    return [
+        Mutation(  # (a) a per-layer sliding window under a None guard
+            "v3",
+            "mask_window_in_decoder_layer",
+            "exact",
+            (
+                _before(
+                    DECODER_START,
+                    "        if attention_mask is not None:\n"
+                    "            far = torch.ones_like(attention_mask, dtype=torch.bool).tril(-4)\n"
+                    "            attention_mask = attention_mask.masked_fill(far, torch.finfo(attention_mask.dtype).min)\n",
+                ),
+            ),
+            mask=MASK_LEFT + "DeepseekV3DecoderLayer.forward uses the mask: `if attention_mask is not None:`",
+        ),
+        Mutation(  # (b) arithmetic on the mask without a guard
+            "v3",
+            "mask_arithmetic_in_decoder_layer",
+            "exact",
+            (_before(DECODER_START, "        attention_mask = attention_mask * 1.0\n"),),
+            mask=MASK_LEFT + "DeepseekV3DecoderLayer.forward uses the mask: `attention_mask = attention_mask * 1.0`",
+        ),
+        Mutation(  # (c) a store into the mask in the attention forward (in place: a subscript store `mask[...] = `
+            # fails on the expanded mask built without a 2-D one, as this training step has it; tests/test_attention_mask.py)
+            "v3",
+            "mask_stored_into_in_attention",
+            "exact",
+            (
+                _before(
+                    SCORE_START,
+                    "        if attention_mask is not None:\n            attention_mask.data = attention_mask.data - 1.0\n",
+                ),
+            ),
+            mask=MASK_LEFT + "DeepseekV3Attention.forward uses the mask outside its core: "
+            "`if attention_mask is not None:`",
+        ),
+        Mutation(  # (d) the decoder layer raises without a mask
+            "v3",
+            "mask_required_by_decoder_layer",
+            "exact",
+            (
+                _before(
+                    DECODER_START,
+                    "        if attention_mask is None:\n"
+                    '            raise ValueError("the decoder layer needs the 4-D mask")\n',
+                ),
+            ),
+            mask=MASK_LEFT + "DeepseekV3DecoderLayer.forward uses the mask: `if attention_mask is None:`",
+        ),
+        Mutation(  # a learnable temperature
+            "v3",
+            "attention_scale_learnable_temperature",
+            "exact",
+            (
+                _after(ATTENTION_INIT, "        self.temperature = nn.Parameter(torch.full((1,), 0.8))\n"),
+                (SCORE, SCORE.replace("self.softmax_scale", "(self.softmax_scale * self.temperature)")),
+            ),
+            attention=SCALE_LEFT + "self.temperature` may be a tensor",
+        ),
+        Mutation(  # a per-head scale buffer
+            "v3",
+            "attention_scale_per_head_buffer",
+            "exact",
+            (
+                _after(
+                    ATTENTION_INIT,
+                    '        self.register_buffer("head_scale", torch.linspace(0.5, 1.5, self.num_heads).view(-1, 1, 1), '
+                    "persistent=False)\n",
+                ),
+                (SCORE, SCORE.replace("self.softmax_scale", "(self.softmax_scale * self.head_scale)")),
+            ),
+            attention=SCALE_LEFT + "self.head_scale` may be a tensor",
+        ),
+    ]
+
+
+MUTATIONS += _mask_and_scale_mutations()
 
 
 def variant_text(mutation: Mutation) -> str:

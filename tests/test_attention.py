@@ -313,6 +313,12 @@ REWRITTEN = {
         "",
         None,
     ),
+    # the softmax scale proved a Python number (attention_scale.py): a conditional expression, float()
+    "a scale of numbers only": (
+        "        self.scale = config.head_dim**-0.5\n",
+        "        self.scale = float(config.head_dim) ** -0.5 if config.head_dim else 1.0\n",
+        None,
+    ),
     "reformatted with comments": (
         SOFTMAX,
         "        scores = nn.functional.softmax(  # upcast\n            scores,\n            dim=-1,\n"
@@ -370,6 +376,34 @@ LEFT = {
         "`scores` is read after the core",
     ),
     "a scale reading the scores": (SCORES, SCORES.replace("self.scale", "scores.max()"), "is not a number SDPA"),
+    # a tensor reaching SDPA's scale=, which takes a float (issue 47): the core stays as published
+    "a learnable temperature in the scale": (
+        "        self.scale = config.head_dim**-0.5\n",
+        "        self.scale = nn.Parameter(torch.ones(1)) * config.head_dim**-0.5\n",
+        "the softmax scale `self.scale` may be a tensor, which SDPA's scale= does not take: `self.scale = "
+        "nn.Parameter(torch.ones(1)) * config.head_dim ** (-0.5)` is not proved a number",
+    ),
+    "a per-head scale buffer": (
+        "        self.scale = config.head_dim**-0.5\n",
+        '        self.register_buffer("scale", torch.full((config.heads, 1, 1), config.head_dim**-0.5))\n',
+        "`self.scale` is set nowhere in the class (a buffer?)",
+    ),
+    "a scale made a tensor": (
+        "        self.scale = config.head_dim**-0.5\n",
+        "        self.scale = torch.tensor(config.head_dim) ** -0.5\n",
+        "`self.scale = torch.tensor(config.head_dim) ** (-0.5)` is not proved a number",
+    ),
+    "a scale assigned a tensor elsewhere too": (
+        "        self.scale = config.head_dim**-0.5\n",
+        "        self.scale = config.head_dim**-0.5\n        self.scale = self.scale * torch.ones(())\n",
+        "`self.scale = self.scale * torch.ones(())` is not proved a number",
+    ),
+    "a forward's local scale from a tensor": (
+        SCORES,
+        "        scale = hidden_states.new_tensor(self.scale)\n" + SCORES.replace("self.scale", "scale"),
+        "the softmax scale `scale` may be a tensor, which SDPA's scale= does not take: "
+        "`hidden_states.new_tensor(self.scale)` is not proved a number",
+    ),
     "a test for eager elsewhere": (
         "ATTENTION_CLASSES = {",
         'EAGER = config._attn_implementation == "eager"\nATTENTION_CLASSES = {',

@@ -157,6 +157,14 @@ def _left(old: str, new: str, reason: str, *more: tuple[str, str]) -> None:
     assert "= _moe_rewrite_sdpa_mask(" not in result.text and "= _prepare_4d_causal_attention_mask(" in result.text
 
 
+DECODER = "        attn_in = self.input_layernorm(hidden_states)\n"
+CORE = "        attn_weights = (\n            torch.matmul(query_states, key_states.transpose(2, 3))"
+ATTENTION_CALL = "            hidden_states=attn_in,\n            attention_mask=attention_mask,\n"
+MODEL_CALL = (
+    "            layer_outputs = decoder_layer(\n"
+    "                hidden_states,\n"
+    "                attention_mask=attention_mask,\n"
+)
 LEFT = {
     "the attention left as published": (
         "attn_weights, dim=-1, dtype=torch.float32\n",
@@ -198,6 +206,69 @@ LEFT = {
         "from my_masks import _prepare_4d_causal_attention_mask\n",
         "`_prepare_4d_causal_attention_mask` comes from `from my_masks import _prepare_4d_causal_attention_mask`",
     ),
+    # the mask followed from the Model to the attention core (issue 47): any use on the way but passing it on
+    "(a) a window on the mask in the decoder layer, under a None guard": (
+        DECODER,
+        "        if attention_mask is not None:\n"
+        "            attention_mask = attention_mask + torch.full_like(attention_mask, -1e4).tril(-4)\n" + DECODER,
+        "DeepseekV3DecoderLayer.forward uses the mask: `if attention_mask is not None:`",
+    ),
+    "(b) arithmetic on the mask in the decoder layer": (
+        DECODER,
+        "        attention_mask = attention_mask * 1.0\n" + DECODER,
+        "DeepseekV3DecoderLayer.forward uses the mask: `attention_mask = attention_mask * 1.0`",
+    ),
+    "(b) a method changing it in place in the decoder layer": (
+        DECODER,
+        "        attention_mask.clamp_(min=-1e4)\n" + DECODER,
+        "DeepseekV3DecoderLayer.forward uses the mask: `attention_mask.clamp_(min=-10000.0)`",
+    ),
+    "(c) a subscript store into it in the attention forward": (
+        CORE,
+        "        attention_mask[..., 0] = 0\n" + CORE,
+        "DeepseekV3Attention.forward uses the mask outside its core: `attention_mask[..., 0] = 0`",
+    ),
+    "(c) kept by the attention forward after its core": (
+        "        attn_output = attn_output.transpose(1, 2).contiguous()\n",
+        "        attn_output = attn_output.transpose(1, 2).contiguous()\n        self.last_mask = attention_mask\n",
+        "DeepseekV3Attention.forward uses the mask outside its core: `self.last_mask = attention_mask`",
+    ),
+    "(d) the decoder layer raises without it": (
+        DECODER,
+        "        if attention_mask is None:\n            raise ValueError('no mask')\n" + DECODER,
+        "DeepseekV3DecoderLayer.forward uses the mask: `if attention_mask is None:`",
+    ),
+    "(d) the attention forward raises without it": (
+        CORE,
+        "        if attention_mask is None:\n            raise ValueError('no mask')\n" + CORE,
+        "DeepseekV3Attention.forward uses the mask outside its core: `if attention_mask is None:`",
+    ),
+    "(d) built only where a 2-D mask is given": (
+        "            attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "            if attention_mask is not None:\n"
+        "                attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "DeepseekV3Model.forward builds the mask only under `attention_mask is not None`: None would reach the layers",
+    ),
+    "passed to another function by the decoder layer": (
+        DECODER,
+        "        torch._assert(torch.isfinite(attention_mask).any(), 'mask')\n" + DECODER,
+        "DeepseekV3DecoderLayer.forward passes the mask to `torch.isfinite(...)`, not to its attention",
+    ),
+    "passed to another function by the Model": (
+        "        hidden_states = inputs_embeds\n        all_hidden_states",
+        "        self.check(attention_mask)\n        hidden_states = inputs_embeds\n        all_hidden_states",
+        "the mask is passed to `self.check(...)`, not to a decoder layer",
+    ),
+    "reaching the decoder layer's **kwargs": (
+        MODEL_CALL,
+        MODEL_CALL.replace("attention_mask=attention_mask,", "mask=attention_mask,"),
+        "the mask reaches DeepseekV3DecoderLayer.forward's `*args` or `**kwargs`",
+    ),
+    "landing on another parameter of the attention": (
+        ATTENTION_CALL + "            position_ids=position_ids,\n",
+        ATTENTION_CALL + "            position_ids=attention_mask,\n",
+        "the mask reaches DeepseekV3Attention.forward other than as `attention_mask`",
+    ),
 }
 
 
@@ -228,3 +299,32 @@ def test_a_flash_only_file_keeps_its_mask_call_and_says_nothing():
     result = rewrite_source(text)
     assert result.changed and result.attention == ()
     assert "= _moe_rewrite_sdpa_mask(" not in result.text and "= _prepare_4d_causal_attention_mask(" in result.text
+
+
+def test_the_mask_passed_by_position_to_the_decoder_layer_is_wrapped():
+    """A pass-through by position lands on the decoder forward's parameter of that place: still the proven chain."""
+    text = FIXTURE.replace(MODEL_CALL, MODEL_CALL.replace("attention_mask=attention_mask,", "attention_mask,"))
+    assert text != FIXTURE
+    result = rewrite_source(text)
+    assert DONE in result.attention and "= _moe_rewrite_sdpa_mask(" in result.text
+    assert not rewrite_source(result.text).changed
+
+
+def test_a_mask_built_only_with_a_2d_one_leaves_the_attention_as_published_too():
+    """(d) The published Model hands the layers None without a 2-D mask: its core refuses it (the assert) or runs
+    unmasked, where the SDPA branch would run it causal. The attention stays as published as well, saying why."""
+    text = FIXTURE.replace(
+        "            attention_mask = _prepare_4d_causal_attention_mask(\n",
+        "            if attention_mask is not None:\n"
+        "                attention_mask = _prepare_4d_causal_attention_mask(\n",
+    )
+    result = rewrite_source(text)
+    assert result.attention[0].startswith(
+        "attention: DeepseekV3Attention left as published: the Model can hand it no mask (DeepseekV3Model.forward "
+        "builds the mask only under `attention_mask is not None`)"
+    ), result.attention
+    assert "_moe_rewrite_attention" not in result.text and "_moe_rewrite_sdpa_mask" not in result.text
+    assert "_supports_sdpa" not in result.text
+    assert not rewrite_source(result.text).changed
+    plain = rewrite_source(text, RewriteOptions(sdpa=False)).text  # the same, but for the banner's options
+    assert plain == result.text.replace("stacking=stack)", "stacking=stack, no-sdpa)", 1)

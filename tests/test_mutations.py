@@ -57,6 +57,10 @@ def test_variant_is_rewritten_exactly_or_refused(mutation, tmp_path):
         else:
             assert f"\n  {mutation.attention}" in result[2], result[2]
             assert "= _moe_rewrite_attention(" not in written and "= _moe_rewrite_sdpa_mask(" not in written
+    if mutation.mask:  # the attention through SDPA, the Model's 4-D mask left as published with a line saying why
+        written = (out / mutation.modeling).read_text()
+        assert f"\n  {mutation.mask}" in result[2], result[2]
+        assert "= _moe_rewrite_attention(" in written and "= _moe_rewrite_sdpa_mask(" not in written
     rewritten = build_model(out, seed=5)
     with torch.no_grad():
         for name, p in rewritten.named_parameters():

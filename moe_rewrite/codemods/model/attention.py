@@ -57,6 +57,7 @@ import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, Note, code, find, is_marked, replace, single_method
 from moe_rewrite.codemods.model.attention_core import Core, find_core
+from moe_rewrite.codemods.model.attention_scale import why_not_number
 from moe_rewrite.codemods.model.branch import around, unbranched
 
 READS: tuple[Field, ...] = ()
@@ -223,6 +224,10 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             continue
         if not _keeps_config(cls, classes):
             notes.append(Note(CONCERN, name, False, "it does not keep `self.config`"))
+            continue
+        scale = why_not_number(core.bound["SCALE"], forward, cls, module)  # type: ignore[arg-type]
+        if scale is not None:
+            notes.append(Note(CONCERN, name, False, scale))
             continue
         proven.append((name, forward, core))
     entries = _attention_dicts(module, [name for name, _, _ in proven])

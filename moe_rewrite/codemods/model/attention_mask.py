@@ -20,11 +20,12 @@ runs SDPA; everywhere else it calls the file's own function with the same argume
 
 Proven first: the statement assigns the forward's own mask parameter from transformers'
 `_prepare_4d_causal_attention_mask` (imported, or the compat codemod's copy of it), called with four positional
-arguments, the first that parameter; the class is a PreTrainedModel's; after the call the mask is only passed on to
-calls (the layers). And only where the attention codemod rewrote the attention every "sdpa" load selects, and left no
-attention class as published: a None mask would reach the published core's `assert attention_mask is not None`.
-Otherwise the call stays as published, with a summary line. Every run first takes back an earlier one's wrapper
-(--no-sdpa gives the published call back).
+arguments, the first that parameter; the class is a PreTrainedModel's; after the call the mask goes untouched to the
+proven attention cores (mask_flow.py: only passed on, Model -> decoder layer -> attention, which reads it only in its
+core; a window, arithmetic, an in-place edit or a raise without it on the way would see None). And only where the
+attention codemod rewrote the attention every "sdpa" load selects, and left no attention class as published: a None mask
+would reach the published core's `assert attention_mask is not None`. Otherwise the call stays as published, with a
+summary line. Every run first takes back an earlier one's wrapper (--no-sdpa gives the published call back).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from moe_rewrite.codemods.kit import (
 )
 from moe_rewrite.codemods.model import attention
 from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
+from moe_rewrite.codemods.model.mask_flow import Chain
 
 READS: tuple[Field, ...] = ("notes", "sdpa_classes")  # the attention codemod's
 PROVIDES: tuple[Field, ...] = ("notes",)
@@ -216,8 +218,9 @@ class _UsesAfter(cst.CSTVisitor):
             self.found = node
 
 
-def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | None:
-    """Why the statement is not the published call (None when it is)."""
+def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine, model: str, chain: Chain) -> str | None:
+    """Why the statement is not the published call, its mask passed untouched to the proven attention cores (None
+    when it is)."""
     target, call = _assign(stmt)
     shown = f"`{target} = {BUILD}(...)`"
     params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
@@ -235,7 +238,7 @@ def _prove(forward: cst.FunctionDef, stmt: cst.SimpleStatementLine) -> str | Non
     forward.visit(uses)
     if uses.found is not None:
         return f"`{target}` is used after {shown} other than passed on to a call"
-    return None
+    return chain.why_not(model, forward, stmt, target)
 
 
 def _why_not(module: cst.Module, context: Context) -> str | None:
@@ -245,6 +248,22 @@ def _why_not(module: cst.Module, context: Context) -> str | None:
     if not context.sdpa_selected():
         return "the SDPA attention is not chosen through an ATTENTION_CLASSES-like dict"
     return _not_imported(module, context.index)
+
+
+def _published_attention(module: cst.Module, context: Context, why: str) -> cst.Module:
+    """The module with the attention back as published, and its notes saying why: the published Model can hand the
+    layers no mask (`why`), which the published core reads as no mask at all (or refuses with its assert) where
+    _moe_rewrite_attention would run it causal."""
+    module = attention.undo(undo(module, context.index))
+    context.sections.discard("attention")
+    line = f"the Model can hand it no mask ({why}), which SDPA would run causal and the published core does not"
+    context.notes[:] = [
+        Note(attention.CONCERN, note.subject, False, line)
+        if note.concern == attention.CONCERN and note.rewritten
+        else note
+        for note in context.notes
+    ]
+    return module
 
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
@@ -267,11 +286,12 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     if not found or not any(note.concern == attention.CONCERN for note in notes):
         return module
     reason = _why_not(module, context)
+    chain = Chain(module, context.sdpa_selected(), index)
     done = []
     for name, forward in found:
         new, i = forward, 0
         while i < len(calls := _calls(new, BUILD, index)):  # one at a time: deep_replace makes new nodes
-            why = reason or _prove(new, calls[i])
+            why = reason or _prove(new, calls[i], name, chain)
             if why is not None:
                 notes.append(Note(CONCERN, name, False, why))
                 i += 1  # a wrapped call is no longer one of `calls`: the next one takes its index
@@ -280,6 +300,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             done.append(name)
         if new is not forward:
             module = replace(module, forward, new)
+    if chain.unmasked is not None:
+        return _published_attention(module, context, chain.unmasked)
     if done:
         context.sections.add("attention")
         names = ", ".join(done)
