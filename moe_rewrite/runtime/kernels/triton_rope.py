@@ -66,7 +66,7 @@ def _moe_rewrite_rope_check_positions(position_ids, rows):
         return
     bad = (position_ids >= rows) | (position_ids < -rows)
     if position_ids.device.type == "cuda":
-        torch._assert_async(~bad.any(), "moe-rewrite: a position id is out of bounds of the RoPE table")
+        torch._assert_async(~bad.any())
     elif bad.any():
         raise IndexError(f"index {position_ids[bad][0].item()} is out of bounds for dimension 0 with size {rows}")
     _moe_rewrite_rope_cache["checked"] = (position_ids, version, rows)

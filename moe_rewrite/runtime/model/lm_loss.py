@@ -68,7 +68,7 @@ def _moe_rewrite_check_targets(target, vocab):
     device-side assert triggered"); elsewhere the published IndexError, "Target N is out of bounds.", N the first."""
     bad = (target >= vocab) | ((target < 0) & (target != -100))
     if target.device.type == "cuda":
-        torch._assert_async(~bad.any(), "moe-rewrite: a label is out of bounds of the vocabulary")
+        torch._assert_async(~bad.any())
     elif bad.any():
         raise IndexError(f"Target {target[bad][0].item()} is out of bounds.")
 
