@@ -270,7 +270,8 @@ def _describe(result: RewriteResult) -> str:
     default=True,
     show_default=True,
     help="In training with labels, compute the causal-LM loss in chunks without float32 logits over the vocabulary "
-    "(outputs.logits is None there); --no-fused-loss keeps the published loss.",
+    "(no outputs.logits there: reading them raises an error naming the opt-outs); --no-fused-loss keeps the "
+    "published loss.",
 )
 @click.option(
     "--fused-norm/--no-fused-norm",

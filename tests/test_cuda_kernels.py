@@ -316,3 +316,156 @@ def test_fp8_experts_equal_their_dequantized_bf16_twins(monkeypatch, kernel_on):
     assert sum(scaled) == (4 if kernel_on else 0)  # both projections' forward and input gradient
     for got, want in zip(*results):
         assert (got - want).norm() <= 1e-2 * want.norm()
+
+
+def _device_assert(script: str) -> tuple[int, str]:
+    """Runs `script` (after `import torch`) in a fresh process on the GPU and synchronises: (exit code, stderr). A
+    device-side assert leaves the CUDA context unusable, so it never runs in this one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import torch\n" + script + "\ntorch.cuda.synchronize()\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    return done.returncode, done.stderr
+
+
+LOSS_SCRIPT = """
+import os
+from moe_rewrite.runtime.model import lm_loss
+vocab = 1000
+hidden = torch.randn(2, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+weight = torch.randn(vocab, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+labels = torch.randint(0, vocab, (2, 64), device="cuda")
+labels[0, :5] = -100
+labels[1, 7] = {bad}
+triton_on = lm_loss._moe_rewrite_cross_entropy_kernel(hidden.device, hidden.dtype) is not None
+assert triton_on == (os.environ.get("MOE_REWRITE_TRITON") != "0"), triton_on
+if {published}:
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    loss = torch.nn.CrossEntropyLoss()(logits[..., :-1, :].reshape(-1, vocab), labels[..., 1:].reshape(-1))
+else:
+    loss = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)[0]
+loss.backward()
+print(loss.item())
+"""
+
+
+@pytest.mark.parametrize("bad", ["0", "vocab", "-1"])
+@pytest.mark.parametrize("triton", ["1", "0"])
+def test_a_label_out_of_the_vocabulary_is_a_device_side_assert_as_published(monkeypatch, triton, bad):
+    """A label equal to the vocabulary size or -1 (not the ignore index -100): the published loss on CUDA stops at a
+    device-side assert (nll_loss's bounds check), and so does the fused loss, Triton kernel or torch rows, before its
+    kernels compute anything (torch._assert_async: the step's later kernels never run). A valid label (0) runs.
+    The check itself synchronises nothing (torch.cuda.set_sync_debug_mode("error") raises on a sync)."""
+    monkeypatch.setenv("MOE_REWRITE_TRITON", triton)
+    for published in (True, False):
+        code, err = _device_assert(LOSS_SCRIPT.format(bad=bad, published=published))
+        if bad == "0":
+            assert code == 0, err[-2000:]
+        else:
+            assert code != 0 and "device-side assert" in err, (published, err[-2000:])
+    target = torch.tensor([0, 5, -100, 999], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lm_loss._moe_rewrite_check_targets(target, 1000)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+ROPE_SCRIPT = """
+from moe_rewrite.runtime.kernels import triton_rope
+rows, seq = 64, 32
+q = torch.randn(2, 4, seq, 64, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(2, 1, seq, 64, device="cuda", dtype=torch.bfloat16)
+cos = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+sin = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+position_ids = torch.arange(seq, device="cuda").repeat(2, 1)
+position_ids[1, 5] = {bad}
+if {published}:
+    out = cos[position_ids] + sin[position_ids]
+else:
+    assert triton_rope._moe_rewrite_rope_applies(q, k, cos, sin, position_ids, 1)
+    out = triton_rope._moe_rewrite_rope(q, k, cos, sin, position_ids)
+"""
+
+
+@pytest.mark.parametrize("bad", ["rows - 1", "-rows", "rows", "-rows - 1"])
+def test_a_position_outside_the_rope_table_is_a_device_side_assert_as_published(bad):
+    """Position ids past the cos/sin table (or before -rows): the published `cos[position_ids]` on CUDA stops at a
+    device-side assert, and so does the fused RoPE (torch._assert_async before its kernel), where the kernel alone
+    read zeros. Ids inside, negative ones counting from the end included, run. The check synchronises nothing."""
+    from moe_rewrite.runtime.kernels import triton_rope
+
+    for published in (True, False):
+        code, err = _device_assert(ROPE_SCRIPT.format(bad=bad, published=published))
+        if bad in ("rows - 1", "-rows"):
+            assert code == 0, err[-2000:]
+        else:
+            assert code != 0 and "device-side assert" in err, (published, err[-2000:])
+    position_ids = torch.arange(16, device="cuda").unsqueeze(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_rope._moe_rewrite_rope_check_positions(position_ids, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def published_attention_core(q, k, v, mask, scale):
+    """The published eager core (V3/V2 attention forward, no dropout): scores, + mask, fp32 softmax, value product."""
+    weights = torch.matmul(q, k.transpose(2, 3)) * scale
+    weights = weights + mask
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=["mla", "equal"])
+def test_the_sdpa_core_equals_the_published_core_with_padding_and_fully_masked_rows(dims):
+    """The generated attention core (_moe_rewrite_attention, on the backend it chooses: cuDNN for MLA's 192/128 where
+    it runs) against the published eager core, bf16, on the file's 4-D additive mask for a left-padded batch: the
+    first `pad` queries of row 0 see no key at all (every score the lowest bf16), where the published softmax is
+    uniform over every key, i.e. the mean of all values. Output and the gradients of q, k, v: each within twice the
+    published core's own bf16 error against float64 (plus 1e-3), the fully masked rows too."""
+    from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask
+
+    from moe_rewrite.runtime.model import attention
+
+    qk_dim, v_dim = dims
+    batch, heads, seq, pad = 2, 4, 256, 7
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(batch, heads, seq, qk_dim, generator=generator) for _ in range(2))
+    v = torch.randn(batch, heads, seq, v_dim, generator=generator)
+    probe = torch.randn(batch, heads, seq, v_dim, generator=generator).cuda()
+    q, k, v = (t.cuda().bfloat16() for t in (q, k, v))
+    mask2d = torch.ones(batch, seq, dtype=torch.long, device="cuda")
+    mask2d[0, :pad] = 0
+    embeds = torch.zeros(batch, seq, 8, device="cuda", dtype=torch.bfloat16)
+    mask = _prepare_4d_causal_attention_mask(mask2d, (batch, seq), embeds, 0)
+    assert mask.dtype == torch.bfloat16 and bool((mask[0, 0, :pad] == torch.finfo(torch.bfloat16).min).all())
+    scale = qk_dim**-0.5
+    backend = attention._moe_rewrite_attention_backend(q.device, q.dtype, qk_dim, v_dim)
+    runs = {}
+    for name, core, cast in (
+        ("generated", lambda *a: attention._moe_rewrite_attention(*a, 0.0), torch.bfloat16),
+        ("published", published_attention_core, torch.bfloat16),
+        ("exact", published_attention_core, torch.float64),
+    ):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (q, k, v)]
+        out = core(*leaves, mask.to(cast), scale)
+        out.backward(probe.to(cast))
+        runs[name] = [out.detach(), *(leaf.grad for leaf in leaves)]
+    uniform = v.double().mean(dim=2, keepdim=True).expand(batch, heads, pad, v_dim)[:1]
+    assert torch.allclose(runs["exact"][0][:1, :, :pad], uniform, atol=1e-12)  # the published: every key's mean
+    for i, name in enumerate(["out", "q grad", "k grad", "v grad"]):
+        exact = runs["exact"][i]
+        for part, rows in (("fully masked rows", (0, slice(None), slice(0, pad))), ("all", (slice(None),))):
+            if name in ("k grad", "v grad") and part != "all":
+                continue  # a key's gradient gathers every query's: only the whole tensor
+            want = exact[rows]
+            err = {n: (runs[n][i][rows].double() - want).norm().item() / max(want.norm().item(), 1e-30) for n in runs}
+            assert err["generated"] <= 2 * err["published"] + 1e-3, (backend, name, part, err)

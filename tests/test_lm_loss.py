@@ -51,10 +51,85 @@ def test_fused_loss_and_gradients_equal_the_published_loss(monkeypatch, chunk_ro
     hidden, weight, labels = leaves(ignored)
     want = published(hidden, weight, labels)
     loss, logits = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
-    assert logits is None and loss.dtype == torch.float32
+    assert isinstance(logits, lm_loss._MoeRewriteNoLogits) and loss.dtype == torch.float32
     assert abs(loss.item() - want.item()) <= TOL * abs(want.item())
     for got, expected in zip(grads_of(loss, hidden, weight), grads_of(want, hidden, weight)):
         assert rel(got, expected) <= TOL
+
+
+@pytest.mark.parametrize("bad", [V, V + 100, -1, -5], ids=["vocab", "above", "minus-one", "negative"])
+def test_a_label_out_of_the_vocabulary_raises_the_published_error(bad):
+    """Any label but -100 outside [0, vocab) raises what the published loss raises on the CPU, before any kernel
+    (IndexError "Target N is out of bounds.", the first such label); one in the first position, which the shift drops,
+    is not checked (as published)."""
+    hidden, weight, labels = leaves(ignored=True)
+    labels[1, 4], labels[1, 2] = bad, V + 7  # row order: the (1, 2) label is met first
+    with pytest.raises(IndexError) as published_error:
+        published(hidden, weight, labels)
+    with pytest.raises(IndexError) as error:
+        lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    assert str(error.value) == str(published_error.value) == f"Target {V + 7} is out of bounds."
+    labels[1, 2] = 0
+    with pytest.raises(IndexError, match=f"^Target {bad} is out of bounds.$"):
+        lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    labels[1, 4], labels[0, 0] = 0, bad  # the first label predicts nothing
+    loss, _ = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    assert torch.allclose(loss, published(hidden, weight, labels), rtol=TOL)
+
+
+def test_the_missing_logits_say_why_and_the_output_keeps_the_published_layout(patched):
+    """In training with labels the output's logits are _MoeRewriteNoLogits in the published slot: outputs[0], .loss,
+    ["loss"], to_tuple() and return_dict=False as the published layout (loss, logits, ...); reading them (an attribute,
+    indexing, arithmetic, len) raises an error naming both opt-outs; what walks outputs (hasattr, DataParallel's
+    gather, accelerate's fp32 conversion, pytree, pickling) keeps it without raising."""
+    import copy
+    import pickle
+
+    import torch.utils._pytree as pytree
+    from torch.nn.parallel.scatter_gather import gather
+
+    model = build_model(patched, seed=3).train()
+    ids, mask, labels = _batch(model)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    model.config.moe_rewrite_fused_loss = False
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels)
+    model.config.moe_rewrite_fused_loss = True
+    missing = out.logits
+    no_logits = model_module(model)._MoeRewriteNoLogits  # the rendered file's own class
+    assert isinstance(missing, no_logits) and missing is no_logits()
+    assert out[0] is out.loss is out["loss"] and out[1] is missing and out["logits"] is missing
+    assert list(out.keys()) == list(plain.keys()) and len(out.to_tuple()) == len(plain.to_tuple())
+    flat = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    model.config.moe_rewrite_fused_loss = False
+    plain_flat = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    model.config.moe_rewrite_fused_loss = True
+    assert len(flat) == len(plain_flat) and flat[1] is missing and torch.equal(flat[0], out.loss)
+    opt_outs = ["model.config.moe_rewrite_fused_loss = False", "--no-fused-loss"]
+    for use in (
+        lambda x: x.shape,
+        lambda x: x.float(),
+        lambda x: x[..., :-1, :],
+        lambda x: x + 1,
+        lambda x: 2 * x,
+        lambda x: len(x),
+        lambda x: bool(x),
+        lambda x: x.argmax(-1) == labels,
+    ):
+        with pytest.raises((TypeError, AttributeError)) as error:
+            use(missing)
+        assert all(name in str(error.value) for name in opt_outs), str(error.value)
+    assert not hasattr(missing, "dtype") and not hasattr(missing, "__dataclass_fields__")
+    assert "moe_rewrite_fused_loss = False" in repr(out)
+    assert gather([missing, missing], "cpu") is missing
+    assert pickle.loads(pickle.dumps(missing)) is missing and copy.deepcopy(missing) is missing
+    assert copy.copy(out).logits is missing
+    leaves_, spec = pytree.tree_flatten(out)
+    assert pytree.tree_unflatten(leaves_, spec).logits is missing
+    try:
+        from accelerate.utils import convert_to_fp32
+    except ImportError:
+        return
+    assert convert_to_fp32(out).logits is missing
 
 
 def test_every_label_ignored_gives_nan_and_zero_gradients_as_published():
@@ -146,7 +221,7 @@ def test_rewritten_model_trains_with_the_published_loss_and_gradients(patched, m
         out.loss.backward()
         runs[fused] = out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     (fused, fused_grads), (plain, plain_grads) = runs[True], runs[False]
-    assert fused.logits is None and plain.logits.dtype == torch.float32
+    assert isinstance(fused.logits, model_module(model)._MoeRewriteNoLogits) and plain.logits.dtype == torch.float32
     assert abs(fused.loss.item() - plain.loss.item()) <= TOL * abs(plain.loss.item())
     assert fused_grads.keys() == plain_grads.keys() and "lm_head.weight" in fused_grads
     for name, grad in plain_grads.items():
@@ -245,8 +320,8 @@ def test_the_published_loss_goes_into_the_else_of_a_fused_branch():
     text, lines = _snippet_forward(SNIPPET)
     assert EXPECTED in text
     assert lines == [
-        "loss: fused linear cross-entropy in ToyForCausalLM (logits None in training with labels; "
-        "config.moe_rewrite_fused_loss = False keeps them)"
+        "loss: fused linear cross-entropy in ToyForCausalLM (no logits in training with labels, reading them says "
+        "why; config.moe_rewrite_fused_loss = False keeps them)"
     ]
     again, _ = _snippet_forward(text)
     assert again == text

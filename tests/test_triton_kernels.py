@@ -717,3 +717,59 @@ def test_rope_and_its_backward_equal_float64(dim, interleaved):
         for a, b in zip([*got, *(leaf.grad for leaf in leaves)], [*want, *want_grads]):
             assert a.dtype == torch.float32 and a.shape == b.shape
             assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["vocab", "minus-one"])
+def test_the_fused_loss_refuses_a_label_out_of_the_vocabulary_before_the_kernel(monkeypatch, kernels, bad):
+    """A label equal to the vocabulary size, or negative other than -100, would make the row kernel read another row's
+    logit (garbage, no error): the fused loss raises the published error first. On the CPU the published IndexError
+    ("Target N is out of bounds."); on a GPU (compiled) the check is a device-side assert, tested in a subprocess in
+    tests/test_cuda_kernels.py. Valid labels, -100 among them, still run the kernel."""
+    device, _ = kernels
+    if device != "cpu":
+        pytest.skip("the CUDA error is a device-side assert: tests/test_cuda_kernels.py")
+    launched = []
+    triton_kernels = triton_cross_entropy._moe_rewrite_cross_entropy_kernels()
+    monkeypatch.setattr(lm_loss, "_moe_rewrite_cross_entropy_kernel", lambda *a: launched.append(1) or triton_kernels)
+    vocab = 40
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(vocab, 16)
+    labels = torch.randint(0, vocab, (2, 5))
+    labels[0, 1] = -100
+    loss, _ = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    logits = (hidden @ weight.t())[:, :-1].reshape(-1, vocab)
+    assert launched and torch.allclose(loss, torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1)))
+    labels[0, 2] = vocab if bad == "vocab" else -1
+    launched.clear()
+    with pytest.raises(IndexError, match=f"^Target {labels[0, 2].item()} is out of bounds.$"):
+        lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    assert not launched
+
+
+def test_the_fused_rope_refuses_a_position_outside_its_table(kernels):
+    """Position ids at or past the table's length (or before -length) would read zeros in the kernel; the published
+    `cos[position_ids]` raises. The fused RoPE raises the published IndexError before the launch (on a GPU a
+    device-side assert: tests/test_cuda_kernels.py); ids counting from the table's end (-1, -rows) still rotate.
+    The check runs once per position_ids tensor (every layer passes the same), again once it is changed in place."""
+    device, _ = kernels
+    if device != "cpu":
+        pytest.skip("the CUDA error is a device-side assert: tests/test_cuda_kernels.py")
+    rows, seq, dim = 12, 5, 8
+    q, k = torch.randn(2, 3, seq, dim), torch.randn(2, 1, seq, dim)
+    cos, sin = torch.randn(rows, dim), torch.randn(rows, dim)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4], [-rows, -1, 9, 10, 11]])
+    got = triton_rope._moe_rewrite_rope(q, k, cos, sin, position_ids)
+    for a, b in zip(got, published_rope(q, k, cos, sin, position_ids)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    for bad in (rows, rows + 30, -rows - 1):
+        ids = position_ids.clone()
+        ids[1, 3] = bad
+        with pytest.raises(IndexError) as published_error:
+            published_rope(q, k, cos, sin, ids)
+        with pytest.raises(IndexError) as error:
+            triton_rope._moe_rewrite_rope(q, k, cos, sin, ids)
+        assert str(error.value) == str(published_error.value)
+        assert str(error.value) == f"index {bad} is out of bounds for dimension 0 with size {rows}"
+    triton_rope._moe_rewrite_rope(q, k, cos, sin, position_ids)  # checked, and kept as checked
+    position_ids[0, 0] = rows  # in place: checked again
+    with pytest.raises(IndexError, match=f"index {rows} is out of bounds"):
+        triton_rope._moe_rewrite_rope(q, k, cos, sin, position_ids)

@@ -24,10 +24,11 @@ labels::
         logits = self.lm_head(hidden_states)
         ...  # the published statements, untouched
 
-In that branch the logits are None (Liger's convention): eval, generate and labels=None run the published
-statements. A forward that differs in any way, or reads the logits afterwards other than to return them, is left as
-published, and the summary says so; the file is still rewritten. Every run first takes back what an earlier one
-added, so --no-fused-loss gives the published loss back and a second run changes nothing.
+In that branch no logits are computed: in their place an object whose every use raises an error naming the opt-outs
+(runtime/model/lm_loss.py, _MoeRewriteNoLogits); eval, generate and labels=None run the published statements. A
+forward that differs in any way, or reads the logits afterwards other than to return them, is left as published, and
+the summary says so; the file is still rewritten. Every run first takes back what an earlier one added, so
+--no-fused-loss gives the published loss back and a second run changes nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ BRANCH = (
     "else:\n"
     "    pass\n"
 )
-DONE = "logits None in training with labels; config.moe_rewrite_fused_loss = False keeps them"
+DONE = "no logits in training with labels, reading them says why; config.moe_rewrite_fused_loss = False keeps them"
 
 # The published statements, in capitals the names they bind: L the logits, H the hidden states, LOSS, Y the labels,
 # SL / SY the shifted logits and labels, F the loss module; `self` is the forward's. The loss class in its three

@@ -14,7 +14,8 @@ import torch
 from .dispatch import _moe_rewrite_options, _moe_rewrite_setting, _moe_rewrite_triton  # noqa: F401
 from .triton_block import _moe_rewrite_triton_modules
 
-_moe_rewrite_rope_cache = {}  # "kernels" -> {name: jitted kernel}
+# "kernels" -> {name: jitted kernel}; "checked" -> (position_ids, its version, table rows) last bounds-checked
+_moe_rewrite_rope_cache = {}
 MOE_REWRITE_ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MOE_REWRITE_ROPE_POSITIONS = 16  # positions (table rows) one program rotates, for every head of q and k
 
@@ -49,7 +50,26 @@ def _moe_rewrite_rope(q, k, cos, sin, position_ids, interleaved=True):
     """The file's apply_rotary_pos_emb(q, k, cos, sin, position_ids) (unsqueeze_dim 1), with the gradients of q and
     k, through Triton; `interleaved=False` for a file whose function has no view/transpose lines (its lanes already
     in rotate_half's order). See _moe_rewrite_rope_applies for where it runs."""
+    _moe_rewrite_rope_check_positions(position_ids, cos.shape[0])
     return _MoeRewriteRoPE.apply(q, k, cos, sin, position_ids, interleaved)
+
+
+def _moe_rewrite_rope_check_positions(position_ids, rows):
+    """The published `cos[position_ids]`'s bounds check: every id in [-rows, rows) (a negative one counts from the
+    table's end). On CUDA as published, a device-side assert (torch._assert_async: no host sync; the error surfaces
+    at the next synchronisation as "CUDA error: device-side assert triggered"); elsewhere the published IndexError,
+    "index N is out of bounds for dimension 0 with size rows", N the first. Checked once for every layer's call
+    with the same position_ids (the tensor, unchanged since, against a table as long; inference tensors every call)."""
+    version = None if position_ids.is_inference() else position_ids._version  # inference tensors have none
+    seen = _moe_rewrite_rope_cache.get("checked")
+    if version is not None and seen is not None and seen[0] is position_ids and seen[1:] == (version, rows):
+        return
+    bad = (position_ids >= rows) | (position_ids < -rows)
+    if position_ids.device.type == "cuda":
+        torch._assert_async(~bad.any())
+    elif bad.any():
+        raise IndexError(f"index {position_ids[bad][0].item()} is out of bounds for dimension 0 with size {rows}")
+    _moe_rewrite_rope_cache["checked"] = (position_ids, version, rows)
 
 
 def _moe_rewrite_rope_kernels():
@@ -95,7 +115,7 @@ def _moe_rewrite_rope_kernels():
         inside = positions < seq
         row = tl.load(position_ids + batch * pos_sb + positions * pos_ss, mask=inside, other=0)
         row = tl.where(row < 0, row + table_rows, row)  # cos[position_ids] counts negative indices from the end
-        # a row outside the table (an IndexError where published) reads zeros rather than another tensor's memory
+        # a row outside the table (refused before the launch, as published) reads zeros, not another tensor's memory
         in_table = (row >= 0) & (row < table_rows)
         mask = inside[:, None] & (lanes < half)[None, :]
         table = mask & in_table[:, None]

@@ -43,9 +43,10 @@ def _moe_rewrite_fused_loss_applies(model):
 
 
 def _moe_rewrite_lm_loss(hidden, weight, labels):
-    """(loss, None): the published mean cross-entropy of lm_head(hidden) (float32 logits) at position t against
-    labels at t + 1, -100 ignored (NaN when every label is), without the logits (None, as Liger's fused loss returns
-    them). Under torch.autocast the GEMMs run in its dtype, as lm_head would."""
+    """(loss, no logits): the published mean cross-entropy of lm_head(hidden) (float32 logits) at position t against
+    labels at t + 1, -100 ignored (NaN when every label is; a label out of the vocabulary's bounds raises as
+    published), without the logits: in their place _MoeRewriteNoLogits, whose every use raises an error naming the
+    opt-outs (None while torch.compile traces). Under torch.autocast the GEMMs run in its dtype, as lm_head would."""
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"moe-rewrite: labels of shape {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}")
     if torch.is_autocast_enabled(hidden.device.type):
@@ -54,9 +55,22 @@ def _moe_rewrite_lm_loss(hidden, weight, labels):
     # the logits at t score the label at t + 1: each sequence's labels moved one to the left, -100 after its last
     ignored = labels.new_full((*labels.shape[:-1], 1), -100)
     target = torch.cat([labels[..., 1:], ignored], dim=-1).reshape(-1).to(hidden.device)
+    _moe_rewrite_check_targets(target, weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
         loss = _MoeRewriteLinearCrossEntropy.apply(hidden, weight, target)
-    return loss, None
+    return loss, (None if torch.compiler.is_compiling() else _MoeRewriteNoLogits())
+
+
+def _moe_rewrite_check_targets(target, vocab):
+    """The published loss's bounds check: every target in [0, vocab) or -100 (CrossEntropyLoss's ignore_index); the
+    kernels would read another row's logits. On CUDA as published, a device-side assert (torch._assert_async: no host
+    sync; the step's later kernels never run, the error surfaces at the next synchronisation as "CUDA error:
+    device-side assert triggered"); elsewhere the published IndexError, "Target N is out of bounds.", N the first."""
+    bad = (target >= vocab) | ((target < 0) & (target != -100))
+    if target.device.type == "cuda":
+        torch._assert_async(~bad.any())
+    elif bad.any():
+        raise IndexError(f"Target {target[bad][0].item()} is out of bounds.")
 
 
 class _MoeRewriteLinearCrossEntropy(torch.autograd.Function):
@@ -101,6 +115,46 @@ class _MoeRewriteLinearCrossEntropy(torch.autograd.Function):
             grad_w * grad_loss if grad_w is not None else None,
             None,
         )
+
+
+class _MoeRewriteNoLogits:
+    """The `logits` the forward returns in training with labels where the fused loss ran (it computes none): one
+    shared instance, in the published output's logits slot (to_tuple() and outputs[i] as published), whose every
+    use (an attribute, indexing, arithmetic, len, bool) raises an error naming the two opt-outs, not a bare
+    "'NoneType' object ...". Inert to what walks a model's outputs: hasattr() probes find nothing (AttributeError),
+    iterating it yields nothing and calling the class with anything gives the instance back (DataParallel's gather,
+    accelerate's fp32 conversion, FSDP, DDP, pickling and copying keep it); == and hash by identity."""
+
+    __slots__ = ()
+    _instance = None
+    MESSAGE = (
+        "moe-rewrite: no logits in training with labels: the rewritten forward computes the loss in chunks without "
+        "them. To get them, set `model.config.moe_rewrite_fused_loss = False` (or MOE_REWRITE_FUSED_LOSS=0), or "
+        "rewrite the file with `--no-fused-loss`"
+    )
+
+    def __new__(cls, *args, **kwargs):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __getattr__(self, name):
+        raise AttributeError(f"{_MoeRewriteNoLogits.MESSAGE} (reading `logits.{name}`)")
+
+    def __iter__(self):
+        return iter(())
+
+    def __repr__(self):
+        return "<no logits: moe-rewrite's fused loss; model.config.moe_rewrite_fused_loss = False keeps them>"
+
+    def _moe_rewrite_refuse(self, *args, **kwargs):
+        raise TypeError(_MoeRewriteNoLogits.MESSAGE)
+
+    __getitem__ = __setitem__ = __len__ = __bool__ = __contains__ = _moe_rewrite_refuse
+    __float__ = __int__ = __index__ = __neg__ = __pos__ = __abs__ = __invert__ = _moe_rewrite_refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = __rmatmul__ = _moe_rewrite_refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __pow__ = __mod__ = _moe_rewrite_refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _moe_rewrite_refuse
 
 
 def _moe_rewrite_cross_entropy_torch(logits, target, scale):
