@@ -59,6 +59,10 @@ def test_the_private_surfaces_in_the_runtime_are_the_ones_tested_here():
         # sets it (the property's setter keeps that working without expert parallelism)
         "_ddp_params_and_buffers_to_ignore",
         "_set_params_and_buffers_to_ignore_for_model",
+        # the fused loss's label check and the fused RoPE's position check: a device-side assert without a host sync
+        "_assert_async",
+        # the fused RoPE checks a position_ids tensor once, again only after an in-place change (its version moves)
+        "_version",
     }
     assert used - ours <= tested, f"untested private names in moe_rewrite/runtime/: {sorted(used - ours - tested)}"
 
@@ -395,3 +399,27 @@ def test_peft_param_wrappers_say_how_they_read_their_parameter():
     lhs, rhs, _ = wrapper.get_delta_factors("default")
     ours = parameter_lora._moe_rewrite_delta_factors(wrapper, "default")
     assert torch.equal(ours[0], lhs) and torch.equal(ours[1], rhs)
+
+
+def test_assert_async_raises_where_its_condition_is_false_and_not_otherwise():
+    """torch._assert_async(cond): the checks of out-of-range labels (lm_loss.py) and positions (triton_rope.py), a
+    device-side assert on CUDA without a host sync; on the CPU it raises at once."""
+    torch._assert_async(torch.tensor(True))
+    with pytest.raises(RuntimeError):
+        torch._assert_async(torch.tensor(False))
+
+
+def test_a_tensors_version_moves_with_in_place_changes_only():
+    """Tensor._version: triton_rope.py checks a position_ids tensor again only when it changed in place; tensors made
+    under inference_mode have none (it asks is_inference() first)."""
+    ids = torch.arange(8)
+    before = ids._version
+    _ = ids + 1
+    assert ids._version == before
+    ids.add_(1)
+    assert ids._version > before
+    with torch.inference_mode():
+        frozen = torch.arange(4)
+    assert frozen.is_inference()
+    with pytest.raises(RuntimeError):
+        _ = frozen._version

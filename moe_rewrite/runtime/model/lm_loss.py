@@ -126,7 +126,7 @@ class _MoeRewriteNoLogits:
     accelerate's fp32 conversion, FSDP, DDP, pickling and copying keep it); == and hash by identity."""
 
     __slots__ = ()
-    _instance = None
+    _moe_rewrite_instance = None
     MESSAGE = (
         "moe-rewrite: no logits in training with labels: the rewritten forward computes the loss in chunks without "
         "them. To get them, set `model.config.moe_rewrite_fused_loss = False` (or MOE_REWRITE_FUSED_LOSS=0), or "
@@ -134,9 +134,9 @@ class _MoeRewriteNoLogits:
     )
 
     def __new__(cls, *args, **kwargs):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+        if cls._moe_rewrite_instance is None:
+            cls._moe_rewrite_instance = super().__new__(cls)
+        return cls._moe_rewrite_instance
 
     def __getattr__(self, name):
         raise AttributeError(f"{_MoeRewriteNoLogits.MESSAGE} (reading `logits.{name}`)")
