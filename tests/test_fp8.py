@@ -279,6 +279,39 @@ def test_a_rewrite_without_fp8_experts_refuses_an_fp8_checkpoint(monkeypatch, fp
     with pytest.raises(ValueError, match="rewritten without FP8 experts: .* or with --fp8-experts"):
         load_fp8(monkeypatch, checkpoint)
 
+    # the user's own quantization_config (one that dequantizes, say) goes on to transformers' loading
+    import transformers
+
+    class Reached(Exception):
+        pass
+
+    def reached(cls, *args, **kwargs):
+        raise Reached(kwargs.get("quantization_config"))
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(reached))
+    with pytest.raises(Reached, match="mine"):
+        load_fp8(monkeypatch, checkpoint, quantization_config="mine")
+
+
+def test_from_pretrained_reads_the_config_it_loads_with(fp8_model_files, tmp_path):
+    """Whether a checkpoint is FP8 is read from the config from_pretrained loads: the one passed, the path passed as
+    config, else the checkpoint's; where none can be read here (no path, a missing directory), transformers' own
+    loading says what is wrong, as before."""
+    from conftest import build_model, model_module
+    from transformers import AutoConfig
+
+    directory, code = fp8_model_files
+    modeling = model_module(build_model(code))
+    read = modeling._moe_rewrite_loading_config
+    cls = modeling.DeepseekV3ForCausalLM
+    assert modeling._moe_rewrite_fp8_checkpoint(read(cls, directory, {}))
+    assert modeling._moe_rewrite_fp8_checkpoint(read(cls, None, {"config": str(directory)}))
+    assert not modeling._moe_rewrite_fp8_checkpoint(read(cls, directory, {"config": str(code)}))
+    config = AutoConfig.from_pretrained(code, trust_remote_code=True)
+    assert read(cls, directory, {"config": config}) is config
+    assert read(cls, None, {}) is None
+    assert read(cls, tmp_path / "missing", {"local_files_only": True}) is None
+
 
 def test_an_fp8_model_trains_evaluates_and_saves_like_its_dequantized_reference(monkeypatch, fp8_model_files, tmp_path):
     """Loaded in float32 (transformers casts the scales to it, exactly): the training step's loss and every gradient

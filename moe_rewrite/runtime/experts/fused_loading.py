@@ -40,14 +40,25 @@ def _moe_rewrite_fp8_checkpoint(config):
 
 
 def _moe_rewrite_loading_config(cls, path, kwargs):
-    """The config from_pretrained(path, **kwargs) loads with: the one passed, else the checkpoint's."""
+    """The config from_pretrained(path, **kwargs) loads with, to see whether the checkpoint is FP8: the one passed,
+    else the one at the path passed as `config`, else the checkpoint's; None where none can be read here (no path,
+    a GGUF file, a Hub error): transformers' own loading then says what is wrong, as it did before."""
+    import os
+
     import transformers
 
     config = kwargs.get("config")
     if isinstance(config, transformers.PretrainedConfig):
         return config
-    hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
-    return cls.config_class.from_pretrained(path, **{k: kwargs[k] for k in hub if k in kwargs})
+    source = config if isinstance(config, (str, os.PathLike)) else path
+    if source is None or kwargs.get("gguf_file") is not None:
+        return None
+    hub = ("cache_dir", "force_download", "local_files_only", "token", "use_auth_token", "revision", "subfolder")
+    hub += ("proxies", "trust_remote_code", "_commit_hash")
+    try:
+        return cls.config_class.from_pretrained(source, **{k: kwargs[k] for k in hub if k in kwargs})
+    except (OSError, ValueError):
+        return None
 
 
 def _moe_rewrite_loader_fuses_experts(config):
@@ -97,10 +108,12 @@ class Model:
             # generated with: fp8-experts
             kwargs = _moe_rewrite_fp8_loading(config, kwargs)
             # generated without: fp8-experts
-            raise ValueError(
-                "moe-rewrite: this checkpoint is FP8 block-quantized (its config's quantization_config), and this file "
-                "was rewritten without FP8 experts: rewrite it from the checkpoint's directory, or with --fp8-experts"
-            )
+            if "quantization_config" not in kwargs:  # the user's own (e.g. dequantize=True) is theirs to choose
+                raise ValueError(
+                    "moe-rewrite: this checkpoint is FP8 block-quantized (its config's quantization_config), and this "
+                    "file was rewritten without FP8 experts: rewrite it from the checkpoint's directory, or with "
+                    "--fp8-experts (or pass a quantization_config that dequantizes it)"
+                )
         model, info = super().from_pretrained(*args, **{**kwargs, "output_loading_info": True})
         unexpected = info.get("unexpected_keys", ())
         fused_keys = [k for k in unexpected if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
