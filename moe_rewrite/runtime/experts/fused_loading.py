@@ -54,7 +54,7 @@ def _moe_rewrite_loading_config(cls, path, kwargs):
     if source is None or kwargs.get("gguf_file") is not None:
         return None
     hub = ("cache_dir", "force_download", "local_files_only", "token", "use_auth_token", "revision", "subfolder")
-    hub += ("proxies", "trust_remote_code", "_commit_hash")
+    hub += ("proxies", "trust_remote_code")
     try:
         return cls.config_class.from_pretrained(source, **{k: kwargs[k] for k in hub if k in kwargs})
     except (OSError, ValueError):
