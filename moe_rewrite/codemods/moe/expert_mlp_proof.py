@@ -15,6 +15,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import class_methods, one_line
+from moe_rewrite.codemods.moe.expert_syntax import _assigned, _ast, _params, _statements
 from moe_rewrite.errors import RewriteError
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -32,11 +33,6 @@ PRETRAINING_TP_BRANCH = m.If(
     orelse=m.Else(),
 )
 EXPECTED_FORWARD = "self.{down}(self.act_fn(self.{gate}({x})) * self.{up}({x}))"
-
-
-def _ast(node: cst.CSTNode) -> ast.AST:
-    """An expression as Python's AST (equal up to formatting, comments and redundant parentheses)."""
-    return ast.parse(cst.Module(body=[]).code_for_node(node).strip(), mode="eval").body
 
 
 def _chain(name: str, classes: dict[str, cst.ClassDef], where: str) -> list[cst.ClassDef]:
@@ -63,26 +59,6 @@ def _resolve(chain: list[cst.ClassDef], method: str) -> tuple[str, cst.FunctionD
         if found is not None:
             return cls.name.value, found
     return None
-
-
-def _statements(fn: cst.FunctionDef, where: str) -> list[cst.BaseSmallStatement | cst.BaseCompoundStatement]:
-    """The function's statements, a docstring left out, each small statement on its own."""
-    if not isinstance(fn.body, cst.IndentedBlock):
-        return list(fn.body.body)
-    found: list[cst.BaseSmallStatement | cst.BaseCompoundStatement] = []
-    for i, stmt in enumerate(fn.body.body):
-        if isinstance(stmt, cst.SimpleStatementLine):
-            small = list(stmt.body)
-            if i == 0 and m.matches(small[0], m.Expr(m.SimpleString() | m.ConcatenatedString())):
-                small = small[1:]
-            found += small
-        else:
-            found.append(stmt)
-    return found
-
-
-def _params(fn: cst.FunctionDef) -> list[str]:
-    return [p.name.value for p in fn.params.params]
 
 
 def _check_class_bodies(chain: list[cst.ClassDef]) -> None:
@@ -172,12 +148,6 @@ def _check_init(owner: str, init: cst.FunctionDef, projections: tuple[str, str, 
             f"{where}: `self.act_fn = {one_line(act)}` is not `ACT2FN[{config}.hidden_act]` with {config} the "
             "parameter as passed"
         )
-
-
-def _assigned(fn: cst.FunctionDef) -> set[str]:
-    targets = [cst.ensure_type(t, cst.AssignTarget).target for t in m.findall(fn, m.AssignTarget())]
-    targets += [t.target for t in m.findall(fn, m.AugAssign() | m.AnnAssign() | m.NamedExpr())]  # type: ignore[attr-defined]
-    return {t.value for t in targets if isinstance(t, cst.Name)}
 
 
 def _check_plain(stmt: cst.BaseSmallStatement, known: set[str], where: str) -> None:
