@@ -80,6 +80,29 @@ def test_equal_head_dims_on_cpu_keep_the_gradient_of_fully_masked_rows():
     torch.testing.assert_close(q_grad[0, :, :4], expected[0][0, :, :4] * S, atol=1e-4, rtol=1e-4)
 
 
+def test_fully_masked_rows_of_a_kernel_that_zeroes_them_get_the_published_rows_and_gradients():
+    """cuDNN's masked kernel returns zeros (and no gradient) for a query that sees no key; the fix-up
+    (_moe_rewrite_fully_masked_rows) puts back the published row, the mean of the values, and the published gradient
+    of q, k and v through it (the softmax's at the uniform point). The kernel is stood in for by the published core
+    with those rows zeroed, so the fix-up alone makes the difference; the other rows stay the kernel's."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = [torch.randn(B, H, S, d, generator=generator).requires_grad_() for d in (QK, QK, V)]
+    mask = additive_mask("left")
+    grad_out = torch.randn(B, H, S, V, generator=generator)
+    expected = eager_core(q, k, v, mask, QK**-0.5)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    seen = (mask > MIN).any(dim=-1, keepdim=True)
+    kernel = eager_core(q, k, v, mask, QK**-0.5) * seen  # zeros in the fully masked rows, as cuDNN gives
+    assert not bool(seen[0, 0, :4].any()) and bool(seen[1].all())
+    got = attention._moe_rewrite_fully_masked_rows(kernel, q, k, v, mask, QK**-0.5)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out, retain_graph=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip("qkv", got_grads, expected_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
+    kernel_grads = torch.autograd.grad(kernel, (q, k), grad_out)
+    assert (kernel_grads[0][0, :, :4] == 0).all() and (expected_grads[0][0, :, :4] != 0).all()  # the difference
+
+
 def test_a_single_query_without_mask_sees_every_key():
     q, k, v = [torch.randn(B, H, n, d) for n, d in ((1, QK), (S, QK), (S, V))]
     got = attention._moe_rewrite_attention(q, k, v, None, QK**-0.5, 0.0)

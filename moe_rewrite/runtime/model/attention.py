@@ -45,10 +45,15 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
             )
     if backend == "cudnn":  # torch's own order would pick the memory-efficient kernel, no faster than eager here
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        if mask is not None and dropout_p > 0:  # see _moe_rewrite_fully_masked_rows: no dropout in its rows
+            order = [SDPBackend.EFFICIENT_ATTENTION]
         with sdpa_kernel(order + [SDPBackend.MATH], set_priority=True):
-            return torch.nn.functional.scaled_dot_product_attention(
+            out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale
             )
+        if mask is not None and dropout_p == 0 and mask.dtype != torch.bool:
+            out = _moe_rewrite_fully_masked_rows(out, query, key, value, mask, scale)
+        return out
     # flash needs one head dim for q, k and v: v padded with zeros to q/k's, the output's padding sliced off
     v_dim = value.shape[-1]
     padded = torch.nn.functional.pad(value, (0, query.shape[-1] - v_dim))
@@ -57,6 +62,25 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
             query, key, padded, dropout_p=dropout_p, is_causal=causal, scale=scale
         )
     return out[..., :v_dim]
+
+
+def _moe_rewrite_fully_masked_rows(out, query, key, value, mask, scale):
+    """`out` with each fully masked row (a query whose every mask entry is the dtype's lowest value: left padding)
+    replaced by what the published core computes there, where cuDNN returns zeros. The published scores of such a row
+    are all equal (q·k·scale is lost in the lowest value's rounding), so its softmax is uniform: the row is the mean
+    of the values, and its backward is the softmax's at the uniform point, s = q·k·scale:
+    ds_j = (g·v_j - g·mean(v)) / n. Written as mean(v) plus terms that are zero in value and carry exactly that
+    gradient to q and k (e = q·k - q̂·k̂ = (q - q̂)·k̂ + q̂·(k - k̂), hats detached): mean_j(e_j·v_j) - mean(e)·mean(v),
+    times scale. A few small GEMMs ((keys x q/k dim)ᵀ·(keys x v dim) per head) and one pass over the mask; no sync."""
+    full = (mask == torch.finfo(mask.dtype).min).all(dim=-1, keepdim=True)
+    n = key.shape[-2]
+    q_hat, k_hat, v_hat = query.detach(), key.detach(), value.detach()
+    mean_v = value.mean(dim=-2, keepdim=True)
+    e_v = (query - q_hat) @ (k_hat.transpose(-1, -2) @ v_hat) + q_hat @ ((key - k_hat).transpose(-1, -2) @ v_hat)
+    mean_e = (query - q_hat) @ k_hat.mean(dim=-2, keepdim=True).transpose(-1, -2)
+    mean_e = mean_e + q_hat @ (key - k_hat).mean(dim=-2, keepdim=True).transpose(-1, -2)
+    uniform = mean_v + scale * (e_v / n - mean_e * mean_v.detach())
+    return torch.where(full, uniform.to(out.dtype), out)
 
 
 def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
