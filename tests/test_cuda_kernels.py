@@ -349,7 +349,7 @@ def test_fp8_compute_runs_the_fp8_kernel_within_its_bound_of_bf16_compute(monkey
         x = x.to(torch.bfloat16).requires_grad_(True)
         w = torch.rand(300, 4, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).requires_grad_(True)
         y = moe.moe_train(x, ids, w, out_dtype=torch.bfloat16)
-        y.backward(torch.randn_like(y))
+        y.backward(torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(y.dtype))
         results.append((y.float(), x.grad.float(), w.grad.float()))
     assert fp8_rows == [False] * 4 + [True] * 4  # both projections' forward and input gradient, W8A16 then W8A8
     errors = [rel(got, want) for got, want in zip(*reversed(results))]
