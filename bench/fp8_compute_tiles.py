@@ -1,8 +1,10 @@
 """Tile sweep for FP8 compute (issue #49): the A-is-FP8 grouped GEMM (rows quantized per 1 x 128 tile, FP8 experts'
 codes with their 128 x 128 block scales, W8A8) GEMM by GEMM at V3/K2's expert sizes, for a few (BM, BN, BK, warps,
 stages) tiles, timed interleaved with the bf16 Triton kernel and torch._grouped_mm on the dequantized weights, the
-W8A16 kernel on the codes, and the rows' quantization itself. Writes the best tile per mode ("fwd", "dgrad"; summed
-over the GEMMs and token counts of that mode) to OUT/fp8-compute-tiles.json, which bench_fp8.py --tiles reads.
+W8A16 kernel on the codes, the rows' quantization itself, and for the input gradients the same kernel on a K-major
+copy of the codes (what the FP8 tensor cores read without a transpose; not the runtime's: twice the memory). Writes
+the best tile per mode ("fwd", "dgrad"; summed over the GEMMs and token counts of that mode) to
+OUT/fp8-compute-tiles.json, which bench_fp8.py --tiles reads.
 
     python3 bench/fp8_compute_tiles.py [--configs v3] [--tokens 4096,16384] [--reps 10] [--out DIR]
 """
@@ -95,6 +97,13 @@ def main():
                         variants[str(tile)] = fn
                     except Exception as error:  # noqa: BLE001
                         print(gemm, tile, "does not run:", str(error).splitlines()[0][:200], flush=True)
+                if mode == "dgrad":  # the ideal the kernel's transposed weight tiles are measured against: a K-major
+                    # copy of the codes (twice their memory, not what the runtime does), run as a forward product
+                    codes_t, scales_t = codes.transpose(1, 2).contiguous(), scales.transpose(1, 2)
+                    variants["k-major copy"] = functools.partial(
+                        triton_gemm._moe_rewrite_grouped_mm, kernels, a_codes, codes_t, offsets, "fwd", scales_t,
+                        a_scales, torch.bfloat16, TILES[0],
+                    )  # fmt: skip
                 errors["w8a16"] = round(b.rel(variants["w8a16"](), want), 5)
                 timed = time_variants(variants, args.reps)
                 row = dict(
