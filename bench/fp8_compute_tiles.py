@@ -113,7 +113,7 @@ def main():
                 for tile in TILES:
                     if str(tile) in timed:
                         totals[mode][str(tile)] = totals[mode].get(str(tile), 0.0) + timed[str(tile)]
-                best = min((v, k) for k, v in timed.items() if k.startswith("("))
+                best = min([(v, k) for k, v in timed.items() if k.startswith("(")], default=(float("nan"), "none ran"))
                 print(
                     f"{name} {tokens} {gemm}: best {best[1]} {best[0]:.3f} ms"
                     f" (+ quantize {timed['quantize rows']:.3f}),"
