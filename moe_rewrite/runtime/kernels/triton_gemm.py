@@ -1,8 +1,10 @@
 """A grouped GEMM in Triton (forward and input-gradient products over rows sorted by expert) that runs its tiles
 expert by expert, for few rows per expert on sm90 (dispatch.py's _moe_rewrite_gemm_by_triton decides), and for FP8
 block-quantized experts at any size (grouped_linear.py's _moe_rewrite_gmm: it reads the FP8 codes and their block
-scales, and multiplies each weight tile by its scales in registers: half the weights' memory, not faster). CUDA
-with triton; triton is imported when the kernel is built, never at import.
+scales, and multiplies each weight tile by its scales in registers: half the weights' memory, not faster); and in
+FP8 compute (W8A8, --fp8-compute) FP8 rows times FP8 weights on the FP8 tensor cores, with the kernel that quantizes
+the rows per 1 x 128 tile (and its torch ops, which run off CUDA). CUDA with triton; triton is imported when the
+kernels are built, never at import.
 """
 
 import torch
