@@ -488,6 +488,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     assert sorted(kernels) == [
         "gather_rows",
         "grouped_mm",
+        "quantize_rows",
         "route",
         "sum_rows",
         "sum_rows_backward",

@@ -20,6 +20,9 @@ MOE_REWRITE_FP8_GEMM_TILE = (128, 128, 64, 4, 3)
 # bench/bench_fp8.py --sweep measures them
 MOE_REWRITE_FP8_COMPUTE_TILES = {"fwd": (128, 128, 128, 8, 4), "dgrad": (128, 128, 128, 8, 4)}
 # generated with: fp8-experts
+# elsewhere than sm90 (sm89's and sm120's 99 KiB of shared memory per block; not measured): a tile that fits them
+MOE_REWRITE_FP8_COMPUTE_SMALL_TILE = (64, 128, 128, 4, 3)
+# generated with: fp8-experts
 MOE_REWRITE_FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 

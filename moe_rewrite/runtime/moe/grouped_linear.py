@@ -16,10 +16,12 @@ from ..kernels.dispatch import (
     _moe_rewrite_fp8_compute,
     _moe_rewrite_gemm_by_triton,
     _moe_rewrite_grouped_gemm,
+    _moe_rewrite_hopper,
     _moe_rewrite_setting,
     _moe_rewrite_triton,
 )
 from ..kernels.triton_gemm import (
+    MOE_REWRITE_FP8_COMPUTE_SMALL_TILE,
     _moe_rewrite_dequantize_rows,
     _moe_rewrite_gemm_fits,
     _moe_rewrite_grouped_mm,
@@ -92,7 +94,8 @@ def _moe_rewrite_fp8_gmm(kernels, a, b, offsets, mode, scale):
     ops, in float32 or float64 (exact products, another order of sums)."""
     codes, a_scale = _moe_rewrite_quantize_rows(kernels, a)
     if kernels is not None:
-        return _moe_rewrite_grouped_mm(kernels, codes, b, offsets, mode, scale, a_scale, a.dtype)
+        tile = None if _moe_rewrite_hopper(a.device) else MOE_REWRITE_FP8_COMPUTE_SMALL_TILE
+        return _moe_rewrite_grouped_mm(kernels, codes, b, offsets, mode, scale, a_scale, a.dtype, tile)
     dtype = torch.promote_types(a.dtype, torch.float32)
     real, weights = _moe_rewrite_dequantize_rows(codes, a_scale, dtype), _moe_rewrite_dequantize(b, scale, dtype)
     return _moe_rewrite_gmm("sorted", real, weights, offsets, mode).to(a.dtype)
