@@ -143,7 +143,9 @@ def main():
     work = Path(tempfile.mkdtemp())
     rows, notes = [], []
     fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "fp8_fused", "--fp8-experts"), "fp8_fused")
-    if args.tiles:
+    if args.tiles and not Path(args.tiles).is_file():
+        notes.append(f"--tiles {args.tiles}: no such file, the generated code's own tiles")
+    elif args.tiles:
         tiles = {mode: tuple(tile) for mode, tile in json.loads(Path(args.tiles).read_text()).items()}
         fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES.update(tiles)
         notes.append(f"FP8 compute tiles: {tiles}")
