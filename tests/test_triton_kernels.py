@@ -282,7 +282,24 @@ def test_the_grouped_gemm_kernel_multiplies_fp8_rows_by_fp8_codes(kernels, mode)
         start += count
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter rounds float32 to float8 wrongly near powers of two")
+def test_the_row_quantization_kernel_divides_each_tile_by_its_scale(kernels):
+    """The Triton kernel quantizing rows per 1 x 128 tile (FP8 compute), its codes written as float32 (the clamped
+    quotients before their rounding to e4m3, which Triton's interpreter does not do to nearest): the scales equal the
+    torch ops', and the quotients rounded by torch give their codes; a zero tile, a ragged block of rows."""
+    device, kernels = kernels
+    torch.manual_seed(10)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(70, 384, device=device) * torch.logspace(-3, 3, 70, device=device)[:, None]).to(dtype)
+        x[3, 128:256] = 0
+        quotients = torch.empty(70, 384, device=device)
+        scales = torch.empty(3, 70, device=device)
+        kernels["quantize_rows"][(3, 3)](x, quotients, scales, 70, 384, BR=32)
+        codes, want_scales = triton_gemm._moe_rewrite_quantize_rows(None, x)
+        assert torch.equal(scales, want_scales), dtype
+        assert torch.equal(quotients.to(torch.float8_e4m3fn).view(torch.uint8), codes.view(torch.uint8)), dtype
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter does not round float32 to float8 to nearest")
 def test_the_row_quantization_kernel_equals_its_torch_ops(kernels):
     """The Triton kernel quantizing rows per 1 x 128 tile (FP8 compute) gives the torch ops' codes and scales bit for
     bit (tests/test_fp8_compute.py checks those against float64): bf16 and float32 rows, a zero tile, a ragged last
