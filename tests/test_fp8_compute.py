@@ -182,7 +182,11 @@ def test_fp8_compute_is_chosen_by_the_environment_over_the_option(monkeypatch):
             "needs a GPU with FP8 tensor cores \\(sm89\\+: L4, L40S, H100, H200, B200\\), not sm80; "
             "set MOE_REWRITE_FP8_COMPUTE=0",
         ),
-        ((9, 0), None, "needs triton and MOE_REWRITE_TRITON unset"),
+        (
+            (9, 0),
+            None,
+            "needs the Triton kernels \\(triton installed, MOE_REWRITE_TRITON unset or 1, not under torch.compile",
+        ),
     ],
 )
 def test_fp8_compute_refuses_gpus_without_fp8_tensor_cores(monkeypatch, capability, kernels, error):

@@ -175,7 +175,8 @@ def _moe_rewrite_fp8_compute(device, kernels):
         )
     if kernels is None:
         raise RuntimeError(
-            "moe-rewrite: FP8 compute needs triton and MOE_REWRITE_TRITON unset (or 1), with bf16, fp16 or float32 "
-            "activations; set MOE_REWRITE_FP8_COMPUTE=0 (or rewrite without --fp8-compute)"
+            "moe-rewrite: FP8 compute needs the Triton kernels (triton installed, MOE_REWRITE_TRITON unset or 1, not "
+            "under torch.compile, bf16, fp16 or float32 activations); set MOE_REWRITE_FP8_COMPUTE=0 (or rewrite "
+            "without --fp8-compute)"
         )
     return True
