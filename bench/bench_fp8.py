@@ -8,6 +8,8 @@ The weights are drawn in bf16, quantized as DeepSeek's checkpoints are (tests/fp
   moe-rewrite-lora[bf16]     bf16 fused experts, PEFT target_parameters: our fastest bf16 LoRA path (bench_lora.py)
   moe-rewrite-lora[fp8]      FP8 fused experts (codes + scales), the same adapters: the Triton grouped GEMM reads the
                              codes and multiplies each tile by its scales (forward and input gradient)
+  moe-rewrite-lora[fp8,compute]  the same in FP8 compute (MOE_REWRITE_FP8_COMPUTE=1, W8A8, issue #49): rows quantized
+                             per 1 x 128 tile, FP8 tensor-core products (forward and input gradient of the base)
   moe-rewrite-lora[fp8,dequant]  the same with MOE_REWRITE_TRITON_GEMM=0: weights dequantized per GEMM, then
                              torch._grouped_mm (the fallback off the Triton path)
   naive-loop-lora            PEFT target_modules on the --no-fuse-experts output's per-expert bf16 layers, run through
@@ -15,9 +17,12 @@ The weights are drawn in bf16, quantized as DeepSeek's checkpoints are (tests/fp
   transformers-fp8-experts   transformers' own FP8Experts (grouped_mm) on the same codes and scales, without LoRA,
                              where it runs (its kernels come from the Hub)
 expert GB: the experts' weights as held (codes and scales, or bf16). rel err: output, input gradient and LoRA
-gradients against moe-rewrite-lora[bf16].
+gradients against moe-rewrite-lora[bf16]; for FP8 compute also each of them against the W8A16 row (vs_w8a16).
 
-    python3 bench/bench_fp8.py [--configs v3,k2] [--reps 10] [--out DIR]
+    python3 bench/bench_fp8.py [--configs v3,k2] [--tokens 4096,16384] [--rows bf16,fp8,fp8-compute,dequant,loop,native]
+        [--tiles OUT/fp8-compute-tiles.json] [--reps 10] [--out DIR]
+
+--tiles: FP8 compute's tiles per mode as bench/fp8_compute_tiles.py writes them (else the generated code's own).
 
 bench/fp8_kernels.py times the kernel's variants GEMM by GEMM.
 """
@@ -127,14 +132,25 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--label", default="h200-fp8")
+    parser.add_argument("--tokens", default="4096")
+    parser.add_argument("--rows", default="bf16,fp8,fp8-compute,dequant,loop,native")
+    parser.add_argument("--tiles", default=None)
     args = parser.parse_args()
+    wanted = set(args.rows.split(","))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Path(tempfile.mkdtemp())
-    fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "fp8_fused"), "fp8_fused")
-    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
     rows, notes = [], []
+    fused_mod, configuration = b.import_patched(b.rewrite_fixture(work / "fp8_fused", "--fp8-experts"), "fp8_fused")
+    if args.tiles and not Path(args.tiles).is_file():
+        notes.append(f"--tiles {args.tiles}: no such file, the generated code's own tiles")
+    elif args.tiles:
+        tiles = {mode: tuple(tile) for mode, tile in json.loads(Path(args.tiles).read_text()).items()}
+        fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES.update(tiles)
+        notes.append(f"FP8 compute tiles: {tiles}")
+    print("FP8 compute tiles:", fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES, flush=True)
+    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         config = b.moe_config(configuration, cfg)
@@ -150,7 +166,8 @@ def main():
         holders["moe-rewrite-lora[fp8]"] = with_lora(fp8, holders["moe-rewrite-lora[bf16]"])
         holders["moe-rewrite-lora[fp8,dequant]"] = holders["moe-rewrite-lora[fp8]"]
         plain = None
-        if cfg["E"] <= 256:  # at k2 a third copy of the experts (and PEFT's delta check) does not fit beside the others
+        # at k2 a third copy of the experts (and PEFT's delta check) does not fit beside the others
+        if cfg["E"] <= 256 and "loop" in wanted:
             with torch.device("cuda"):
                 plain = plain_mod.DeepseekV3MoE(config).train()
         torch.set_default_dtype(default_dtype)
@@ -169,62 +186,104 @@ def main():
                 if "lora" in n:
                     p.data = p.data.to(torch.bfloat16)
                 p.requires_grad_("lora" in n)
-        else:
+        elif "loop" in wanted:
             notes.append(f"{name}: naive-loop-lora left out (a third copy of the experts does not fit)")
-        data = b.routings(cfg, "cuda", seed=1)
         impls = [
-            ("moe-rewrite-lora[bf16]", moe, fused_mod, {}),
-            ("moe-rewrite-lora[fp8]", moe, fused_mod, {}),
-            ("moe-rewrite-lora[fp8,dequant]", moe, fused_mod, {"MOE_REWRITE_TRITON_GEMM": "0"}),
+            ("bf16", "moe-rewrite-lora[bf16]", moe, fused_mod, {}),
+            ("fp8", "moe-rewrite-lora[fp8]", moe, fused_mod, {}),
+            ("fp8-compute", "moe-rewrite-lora[fp8,compute]", moe, fused_mod, {"MOE_REWRITE_FP8_COMPUTE": "1"}),
+            ("dequant", "moe-rewrite-lora[fp8,dequant]", moe, fused_mod, {"MOE_REWRITE_TRITON_GEMM": "0"}),
         ]
+        holders["moe-rewrite-lora[fp8,compute]"] = holders["moe-rewrite-lora[fp8]"]
         if plain is not None:
-            impls.append(("naive-loop-lora", plain, plain_mod, {"MOE_REWRITE_BACKEND": "loop"}))
-        ref = {}
-        for impl, module, modeling, env in impls:
-            if impl in holders:
-                module.experts = holders[impl].experts
-                grads_of = holders[impl]
-            else:
-                grads_of = module
-            b.set_backend(modeling, env)
-            warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
-            t0 = time.time()
-            fn = functools.partial(b.moe_rewrite, module)
-            ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
-            grads = bl.lora_grads(grads_of)
-            if not ref:
-                ref.update(y=y, x=x.grad, grads=grads)
-                err = 0.0
-            elif impl == "naive-loop-lora":
-                err = max(b.rel(y, ref["y"]), b.rel(x.grad, ref["x"]))
-            else:
-                errs = [b.rel(y, ref["y"]), b.rel(x.grad, ref["x"])]
-                err = max(errs + [b.rel(g, ref["grads"][k]) for k, g in grads.items()])
-            b.clear_grads(grads_of, None, x)
-            rows.append(
-                dict(
-                    config=name,
-                    impl=impl,
-                    ms=round(ms, 3),
-                    host_ms=round(host_ms, 3),
-                    peak_gb=round(peak, 2),
-                    kept_gb=round(kept, 3),
-                    expert_gb=round(expert_gb(module.experts), 2),
-                    max_rel_err=float(f"{err:.2e}"),
+            impls.append(("loop", "naive-loop-lora", plain, plain_mod, {"MOE_REWRITE_BACKEND": "loop"}))
+        for tokens in map(int, args.tokens.split(",")):
+            data = b.routings(dict(cfg, N=tokens), "cuda", seed=1)
+            ref = {}
+            for short, impl, module, modeling, env in impls:
+                if short not in wanted:
+                    continue
+                try:  # a row that fails (out of memory at 16384 tokens) is recorded as such, the others still run
+                    rows.append(
+                        dict(
+                            config=name,
+                            tokens=tokens,
+                            impl=impl,
+                            **row(args, module, modeling, env, impl, holders, data, ref),
+                        )
+                    )
+                except Exception as error:  # noqa: BLE001
+                    torch.cuda.empty_cache()
+                    rows.append(
+                        dict(
+                            config=name,
+                            tokens=tokens,
+                            impl=impl,
+                            ms=None,
+                            note=f"{type(error).__name__}: {str(error)[:200]}",
+                        )
+                    )
+                print(json.dumps(rows[-1]), flush=True)
+            if "native" in wanted:
+                ms, peak, why = native_fp8(config, codes, cfg, data)
+                rows.append(
+                    dict(config=name, tokens=tokens, impl="transformers-fp8-experts", ms=ms, peak_gb=peak, note=why)
                 )
-            )
-            print(json.dumps(rows[-1]), f"({time.time() - t0:.1f}s)", flush=True)
+                print(json.dumps(rows[-1]), flush=True)
+            del data, ref
+            torch.cuda.empty_cache()
         b.set_backend(plain_mod, {})
         b.set_backend(fused_mod, {})
         del plain, moe, holders
-        torch.cuda.empty_cache()
-        ms, peak, why = native_fp8(config, codes, cfg, data)
-        rows.append(dict(config=name, impl="transformers-fp8-experts", ms=ms, peak_gb=peak, note=why))
-        print(json.dumps(rows[-1]), flush=True)
-        del codes, data, fp8
+        del codes, fp8
         torch.cuda.empty_cache()
         write(out_dir / f"{args.label}.json", notes, rows)
     summary(rows)
+
+
+def row(args, module, modeling, env, impl, holders, data, ref):
+    """One row's measures: ms, peak and kept memory, expert GB, the largest error against the bf16 row (the first
+    run), and for FP8 compute each error against the W8A16 row."""
+    if impl in holders:
+        module.experts = holders[impl].experts
+        grads_of = holders[impl]
+    else:
+        grads_of = module
+    b.set_backend(modeling, env)
+    warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
+    t0 = time.time()
+    fn = functools.partial(b.moe_rewrite, module)
+    ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
+    grads = bl.lora_grads(grads_of)
+    result = dict(
+        ms=round(ms, 3),
+        host_ms=round(host_ms, 3),
+        peak_gb=round(peak, 2),
+        kept_gb=round(kept, 3),
+        expert_gb=round(expert_gb(module.experts), 2),
+    )
+    measured = dict(y=y, x=x.grad, grads=grads)
+    if impl == "moe-rewrite-lora[fp8]":
+        ref["w8a16"] = measured
+    if "bf16" not in ref:
+        ref["bf16"] = measured
+        err = 0.0
+    elif impl == "naive-loop-lora":
+        err = max(b.rel(y, ref["bf16"]["y"]), b.rel(x.grad, ref["bf16"]["x"]))
+    else:
+        errs = [b.rel(y, ref["bf16"]["y"]), b.rel(x.grad, ref["bf16"]["x"])]
+        err = max(errs + [b.rel(g, ref["bf16"]["grads"][k]) for k, g in grads.items()])
+    result["max_rel_err"] = float(f"{err:.2e}")
+    if impl == "moe-rewrite-lora[fp8,compute]" and "w8a16" in ref:
+        w8a16 = ref["w8a16"]
+        result["vs_w8a16"] = dict(
+            y=float(f"{b.rel(y, w8a16['y']):.2e}"),
+            x_grad=float(f"{b.rel(x.grad, w8a16['x']):.2e}"),
+            lora_grads=float(f"{max(b.rel(g, w8a16['grads'][k]) for k, g in grads.items()):.2e}"),
+        )
+    b.clear_grads(grads_of, None, x)
+    print(f"({impl}: {time.time() - t0:.1f}s)", flush=True)
+    return result
 
 
 def write(path, notes, rows):
@@ -242,18 +301,19 @@ def write(path, notes, rows):
 
 
 def summary(rows):
-    header = f"{'config':6} {'impl':32} {'ms':>8} {'peak GB':>8} {'expert GB':>9} {'rel err':>9}"
+    header = f"{'config':6} {'tokens':>6} {'impl':32} {'ms':>8} {'peak GB':>8} {'expert GB':>9} {'rel err':>9}"
     print(f"\n{header} {'vs bf16':>8} {'vs loop':>8}")
     for r in rows:
         if r["ms"] is None:
-            print(f"{r['config']:6} {r['impl']:32} {'-':>8} ({r['note']})")
+            print(f"{r['config']:6} {r['tokens']:6} {r['impl']:32} {'-':>8} ({r['note']})")
             continue
-        same = [x for x in rows if x["config"] == r["config"]]
-        bf16 = next(x["ms"] for x in same if x["impl"] == "moe-rewrite-lora[bf16]")
+        same = [x for x in rows if x["config"] == r["config"] and x["tokens"] == r["tokens"] and x["ms"]]
+        bf16 = next((x["ms"] for x in same if x["impl"] == "moe-rewrite-lora[bf16]"), float("nan"))
         loop = next((x["ms"] for x in same if x["impl"] == "naive-loop-lora"), float("nan"))
         print(
-            f"{r['config']:6} {r['impl']:32} {r['ms']:8.2f} {r['peak_gb'] or 0:8.2f} {r.get('expert_gb', 0):9.2f} "
-            f"{r.get('max_rel_err', 0):9.1e} {bf16 / r['ms']:7.2f}x {loop / r['ms']:7.1f}x"
+            f"{r['config']:6} {r['tokens']:6} {r['impl']:32} {r['ms']:8.2f} {r['peak_gb'] or 0:8.2f} "
+            f"{r.get('expert_gb', 0):9.2f} {r.get('max_rel_err', 0):9.1e} {bf16 / r['ms']:7.2f}x {loop / r['ms']:7.1f}x"
+            + (f"  vs W8A16 {r['vs_w8a16']}" if "vs_w8a16" in r else "")
         )
 
 

@@ -91,7 +91,7 @@ def kernel_of(modeling, x):
 
 
 # what a row's env may set for the generated code
-RUNTIME_VARIABLES = ("MOE_REWRITE_BACKEND", "MOE_REWRITE_TRITON", "MOE_REWRITE_TRITON_GEMM")
+RUNTIME_VARIABLES = ("MOE_REWRITE_BACKEND", "MOE_REWRITE_TRITON", "MOE_REWRITE_TRITON_GEMM", "MOE_REWRITE_FP8_COMPUTE")
 
 
 def set_backend(modeling, env):

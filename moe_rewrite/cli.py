@@ -304,6 +304,13 @@ def _describe(result: RewriteResult) -> str:
     "codes kept FP8, LoRA on them). [default: where the checkpoint's config.json asks for FP8, or where an earlier "
     "rewrite of the file has them; said in the summary]",
 )
+@click.option(
+    "--fp8-compute",
+    is_flag=True,
+    help="Run FP8 experts' frozen base on FP8 tensor cores (W8A8: activations quantized per 1 x 128 tile, as "
+    "DeepSeek-V3 trains; faster than bf16 on sm89+ GPUs, within a few percent of its numbers; docs/training.md). "
+    "Implies --fp8-experts; MOE_REWRITE_FP8_COMPUTE=0/1 overrides it at run time. [default: bf16 compute (W8A16)]",
+)
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
     "--skip-unrecognised",
@@ -335,6 +342,7 @@ def command(
     fused_rope,
     fuse_experts,
     fp8_experts,
+    fp8_compute,
     force,
     skip_unrecognised,
     include_weights,
@@ -385,6 +393,7 @@ def command(
         fused_norm=fused_norm,
         fused_rope=fused_rope,
         fp8_experts=fp8_experts,
+        fp8_compute=fp8_compute,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

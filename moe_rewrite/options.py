@@ -30,6 +30,9 @@ class RewriteOptions:
     # checkpoint's config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records
     # them, else not (rewrite.fp8_choice, said in the summary)
     fp8_experts: bool | None = None
+    # FP8 experts' grouped GEMMs in FP8 compute (W8A8: rows quantized per 1 x 128 tile, FP8 tensor cores), the default
+    # of the generated code's MOE_REWRITE_FP8_COMPUTE; asks for FP8 experts (rewrite.fp8_choice), refused without them
+    fp8_compute: bool = False
     # not an option: what the file's experts chose (codemods/moe/expert_mlp.py): their forward casts x to their weights'
     # dtype and back (DeepSeek's ESFT fork), so moe_train checks the experts' dtypes (render.features, "expert-casts")
     expert_casts: bool = False
@@ -41,11 +44,13 @@ class RewriteOptions:
             raise RewriteError(f"unknown stacking {self.stacking!r}; choose from {', '.join(STACKINGS)}")
         if self.bias_update is not None and not (math.isfinite(self.bias_update) and self.bias_update > 0):
             raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
+        if self.fp8_compute and self.fp8_experts is False:
+            raise RewriteError("--fp8-compute runs FP8 experts' GEMMs in FP8: it cannot go with --no-fp8-experts")
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts]: the defaults are not
-        named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts][, fp8-compute]: the
+        defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -67,6 +72,8 @@ class RewriteOptions:
             parts.append("no-fused-rope")
         if self.fp8_experts:
             parts.append("fp8-experts")
+        if self.fp8_compute:
+            parts.append("fp8-compute")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:
@@ -74,4 +81,6 @@ class RewriteOptions:
         values: dict = {"version": version, "backend": self.backend, "stacking": self.stacking}
         if self.bias_update is not None:
             values["bias_update"] = self.bias_update
+        if self.fp8_compute:
+            values["fp8_compute"] = 1  # JSON-rendered (render.options_literal): 1, not true
         return values

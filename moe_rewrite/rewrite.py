@@ -214,14 +214,16 @@ def _check_syntax(text: str) -> None:
 def fp8_choice(options: RewriteOptions, config: dict | None, text: str) -> tuple[RewriteOptions, str | None]:
     """The options with fp8_experts decided, and the summary line saying why where the file's checkpoint chose them:
     the caller's choice stands; else FP8 experts where config.json's quantization_config asks for FP8 (DeepSeek-V3,
-    R1 and Kimi-K2 as shipped), else where an earlier rewrite's banner records them (a vendored file rewritten again
-    without its config), else none."""
+    R1 and Kimi-K2 as shipped), else where --fp8-compute asks for them, else where an earlier rewrite's banner
+    records them (a vendored file rewritten again without its config), else none."""
     if options.fp8_experts is not None:
         return options, None
     settings = (config or {}).get("quantization_config")
     if isinstance(settings, dict) and settings.get("quant_method") == "fp8":
         line = "FP8 experts: generated, as config.json's quantization_config asks (quant_method fp8)"
         return dataclasses.replace(options, fp8_experts=True), line
+    if options.fp8_compute:
+        return dataclasses.replace(options, fp8_experts=True), "FP8 experts: generated, as --fp8-compute asks"
     if re.search(rf"^{re.escape(block.BANNER)} .*\bfp8-experts\b", text, re.M):
         line = "FP8 experts: kept, as the earlier rewrite's banner records them (--no-fp8-experts drops them)"
         return dataclasses.replace(options, fp8_experts=True), line

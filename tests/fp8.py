@@ -103,6 +103,18 @@ def dequantize_blockwise(
     return (q.float() * _expand(scale_inv.float(), m, n, block)).to(dtype)
 
 
+def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 compute's activation quantization (DeepSeek-V3's 1 x 128 tiles) in float64: (codes float8_e4m3fn like x,
+    scales float32 (rows, k / block)), each tile's scale amax / 448 rounded once to float32 (0 for a zero tile, whose
+    codes are 0), each code x / scale rounded once to e4m3."""
+    rows, k = x.shape
+    tiles = x.detach().double().view(rows, k // block, block)
+    scales = (tiles.abs().amax(-1) / FP8_MAX).float()
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).double().unsqueeze(-1)
+    codes = (tiles / divisor).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes.view(rows, k), scales
+
+
 def fp8_config_overrides(config) -> dict:
     """Overrides for the V3 fixture's config (fixtures/deepseek_v3, rewritten) giving a model whose expert and dense
     MLP weights are whole 128 x 128 blocks, as in V3/R1/K2 (H 7168, I 2048), while attention keeps small partial

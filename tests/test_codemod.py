@@ -71,6 +71,7 @@ OPTION_CASES = {
     "defaults": (),
     "no-fuse-experts": ("--no-fuse-experts",),
     "fp8-experts": ("--fp8-experts",),
+    "fp8-compute": ("--fp8-compute",),
     "aux-loss": ("--aux-loss",),
     "bias-update": ("--bias-update", "0.001"),
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
@@ -108,6 +109,8 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
             values["aux_loss"] = True
         elif flag == "--fp8-experts":
             values["fp8_experts"] = True
+        elif flag == "--fp8-compute":
+            values["fp8_compute"] = True
         elif flag == "--bias-update":
             values["bias_update"] = float(rest.pop(0))
         else:

@@ -320,6 +320,44 @@ def test_fp8_experts_equal_their_dequantized_bf16_twins(monkeypatch, kernel_on):
         assert (got - want).norm() <= 1e-2 * want.norm()
 
 
+def test_fp8_compute_runs_the_fp8_kernel_within_its_bound_of_bf16_compute(monkeypatch):
+    """FP8 experts under MOE_REWRITE_FP8_COMPUTE=1 on an sm89+ GPU: both projections' forward and input gradient run
+    the A-is-FP8 grouped GEMM (rows quantized per 1 x 128 tile), and output, x's and the routing weights' gradients
+    stay within tests/test_fp8_compute.py's W8A8_BOUND of the default bf16 compute (W8A16) on the same experts."""
+    from fp8 import fp8_moe
+    from test_fp8_compute import W8A8_BOUND
+
+    from moe_rewrite.runtime.kernels import triton_gemm
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 compute needs sm89+")
+    torch.manual_seed(3)
+    moe, _ = fp8_moe(experts=16, hidden=1024, inter=256)
+    moe.moe_rewrite_fuse_experts()
+    moe = moe.to("cuda")
+    fp8_rows, grouped_mm = [], triton_gemm._moe_rewrite_grouped_mm
+
+    def counted(*args):  # (kernels, a, b, offsets, mode[, scale, a_scale, out_dtype])
+        fp8_rows.append(len(args) > 6 and args[6] is not None)
+        return grouped_mm(*args)
+
+    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", counted)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(14, generator=generator)[:4] for _ in range(300)]).cuda()  # experts 14, 15 idle
+    results = []
+    for compute in ("0", "1"):
+        runtime_env(monkeypatch, "MOE_REWRITE_FP8_COMPUTE", compute)
+        x = torch.randn(300, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        x = x.to(torch.bfloat16).requires_grad_(True)
+        w = torch.rand(300, 4, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).requires_grad_(True)
+        y = moe.moe_train(x, ids, w, out_dtype=torch.bfloat16)
+        y.backward(torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(y.dtype))
+        results.append((y.float(), x.grad.float(), w.grad.float()))
+    assert fp8_rows == [False] * 4 + [True] * 4  # both projections' forward and input gradient, W8A16 then W8A8
+    errors = [rel(got, want) for got, want in zip(*reversed(results))]
+    assert all(1e-3 < e < W8A8_BOUND for e in errors), errors
+
+
 def _device_assert(script: str) -> tuple[int, str]:
     """Runs `script` (after `import torch`) in a fresh process on the GPU and synchronises: (exit code, stderr). A
     device-side assert leaves the CUDA context unusable, so it never runs in this one."""

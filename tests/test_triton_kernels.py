@@ -41,6 +41,8 @@ def kernels(monkeypatch):
         patch_runtime(monkeypatch, "MOE_REWRITE_ROUTE_BLOCK", 16)
         patch_runtime(monkeypatch, "MOE_REWRITE_GEMM_TILE", (16, 32, 16, 4, 1))
         patch_runtime(monkeypatch, "MOE_REWRITE_FP8_GEMM_TILE", (16, 32, 16, 4, 1))
+        small = (16, 32, 32, 4, 1)  # 32 deep: four promotions per scale block
+        patch_runtime(monkeypatch, "MOE_REWRITE_FP8_COMPUTE_TILES", {"fwd": small, "dgrad": small})
     return DEVICE, dispatch._moe_rewrite_build_triton()
 
 
@@ -247,6 +249,72 @@ def test_the_grouped_gemm_kernel_reads_fp8_codes_with_their_block_scales(kernels
         start += count
 
 
+@pytest.mark.parametrize("mode", ["fwd", "dgrad"])
+def test_the_grouped_gemm_kernel_multiplies_fp8_rows_by_fp8_codes(kernels, mode):
+    """FP8 compute (W8A8): rows given as FP8 codes with a scale per 1 x 128 tile (tests/fp8.py's quantize_rows) times
+    FP8 experts' codes with their 128 x 128 block scales, each partial product promoted to the float32 sum with both
+    scales: each expert's product of the dequantized rows and weights in float64, in the rows' dtype (float32 on the
+    CPU's interpreter, bf16 on a GPU, where the FP8 tensor cores add within a block in less than float32); empty
+    experts, a ragged row tile, padding rows left unwritten, dgrad reading the block scales transposed."""
+    from fp8 import quantize_blockwise, quantize_rows
+
+    device, kernels = kernels
+    torch.manual_seed(8)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    counts = [0, 7, 40, 3, 0] if device == "cpu" else [0, 70, 400, 3, 0]
+    out, inner = (256, 384) if device == "cpu" else (1024, 2048)
+    parts = [quantize_blockwise(torch.randn(out, inner) * 0.05) for _ in counts]
+    codes = torch.stack([q for q, _ in parts]).to(device)
+    scales = torch.stack([s for _, s in parts]).to(device)
+    real = grouped_linear._moe_rewrite_dequantize(codes, scales, torch.float64)
+    offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
+    rows, pad = sum(counts), 5
+    a_codes, a_scales = quantize_rows(torch.randn(rows + pad, inner if mode == "fwd" else out))
+    a_codes, a_scales = a_codes.to(device), a_scales.t().contiguous().to(device)
+    a_real = triton_gemm._moe_rewrite_dequantize_rows(a_codes, a_scales, torch.float64)
+    got = triton_gemm._moe_rewrite_grouped_mm(kernels, a_codes, codes, offsets, mode, scales, a_scales, dtype)
+    assert got.shape == (rows + pad, out if mode == "fwd" else inner) and got.dtype == dtype
+    start = 0
+    for e, count in enumerate(counts):
+        want = a_real[start : start + count] @ (real[e].t() if mode == "fwd" else real[e])
+        rtol = 1e-2 if device == "cuda" else 1e-5
+        assert torch.allclose(got[start : start + count].double(), want, atol=1e-4, rtol=rtol), e
+        start += count
+
+
+def test_the_row_quantization_kernel_divides_each_tile_by_its_scale(kernels):
+    """The Triton kernel quantizing rows per 1 x 128 tile (FP8 compute), its codes written as float32 (the clamped
+    quotients before their rounding to e4m3, which Triton's interpreter does not do to nearest): the scales equal the
+    torch ops', and the quotients rounded by torch give their codes; a zero tile, a ragged block of rows."""
+    device, kernels = kernels
+    torch.manual_seed(10)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(70, 384, device=device) * torch.logspace(-3, 3, 70, device=device)[:, None]).to(dtype)
+        x[3, 128:256] = 0
+        quotients = torch.empty(70, 384, device=device)
+        scales = torch.empty(3, 70, device=device)
+        kernels["quantize_rows"][(3, 3)](x, quotients, scales, 70, 384, BR=32)
+        codes, want_scales = triton_gemm._moe_rewrite_quantize_rows(None, x)
+        assert torch.equal(scales, want_scales), dtype
+        assert torch.equal(quotients.to(torch.float8_e4m3fn).view(torch.uint8), codes.view(torch.uint8)), dtype
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter does not round float32 to float8 to nearest")
+def test_the_row_quantization_kernel_equals_its_torch_ops(kernels):
+    """The Triton kernel quantizing rows per 1 x 128 tile (FP8 compute) gives the torch ops' codes and scales bit for
+    bit (tests/test_fp8_compute.py checks those against float64): bf16 and float32 rows, a zero tile, a ragged last
+    block of rows."""
+    device, kernels = kernels
+    torch.manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(1000, 2048, device=device) * torch.logspace(-4, 4, 1000, device=device)[:, None]).to(dtype)
+        x[3, 256:384] = 0
+        got = triton_gemm._moe_rewrite_quantize_rows(kernels, x)
+        want = triton_gemm._moe_rewrite_quantize_rows(None, x)
+        assert got[1].shape == (16, 1000) and torch.equal(got[1], want[1]), dtype
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), dtype
+
+
 def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypatch, kernels):
     """_moe_rewrite_gmm("torch", ...) runs the Triton grouped GEMM for the forward and input-gradient products on sm90
     at no more than 160 rows per expert, one tile wide and whole tiles deep; torch._grouped_mm for the weight
@@ -437,6 +505,7 @@ def test_the_kernels_run_on_cuda_below_float64_unless_turned_off(monkeypatch):
     assert sorted(kernels) == [
         "gather_rows",
         "grouped_mm",
+        "quantize_rows",
         "route",
         "sum_rows",
         "sum_rows_backward",

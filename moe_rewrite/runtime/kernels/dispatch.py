@@ -20,6 +20,8 @@ _moe_rewrite_settings_cache = {}  # environment variable -> value
 _moe_rewrite_kernel_cache = {}  # (device, dtype) -> the grouped-GEMM kernel's name
 _moe_rewrite_triton_cache = {}  # "kernels" -> the Triton kernels ({name: jitted function}) or None
 _moe_rewrite_hopper_cache = {}  # device -> whether it is an sm90 GPU
+# generated with: fp8-experts
+_moe_rewrite_fp8_cache = {}  # device -> its compute capability (FP8 compute: sm89+)
 
 
 def _moe_rewrite_setting(name, default):
@@ -150,3 +152,31 @@ def _moe_rewrite_gemm_by_triton(device, rows, experts, n, k):
     if rows > 160 * experts or not _moe_rewrite_gemm_fits(n, k) or not _moe_rewrite_hopper(device):
         return False
     return _moe_rewrite_setting("MOE_REWRITE_TRITON_GEMM", "1") != "0"
+
+
+# generated with: fp8-experts
+def _moe_rewrite_fp8_compute(device, kernels):
+    """Whether FP8 experts' grouped GEMMs run in FP8 compute (W8A8: rows quantized per 1 x 128 tile, FP8 tensor-core
+    products; grouped_linear.py's _moe_rewrite_fp8_gmm): MOE_REWRITE_FP8_COMPUTE (1 or 0), else the rewrite's
+    --fp8-compute. Off CUDA its arithmetic runs as torch ops (for tests); on CUDA it needs FP8 tensor cores (sm89+)
+    and the Triton kernels, and where asked without them it raises rather than run another arithmetic."""
+    asked = _moe_rewrite_setting("MOE_REWRITE_FP8_COMPUTE", "1" if _moe_rewrite_options.get("fp8_compute") else "0")
+    if asked not in ("0", "1"):
+        raise ValueError(f"moe-rewrite: MOE_REWRITE_FP8_COMPUTE={asked!r}; use 1 (FP8 compute) or 0 (bf16 compute)")
+    if asked == "0" or device.type != "cuda":
+        return asked == "1"
+    if device not in _moe_rewrite_fp8_cache:
+        _moe_rewrite_fp8_cache[device] = torch.cuda.get_device_capability(device)
+    capability = _moe_rewrite_fp8_cache[device]
+    if capability < (8, 9):
+        raise RuntimeError(
+            f"moe-rewrite: FP8 compute needs a GPU with FP8 tensor cores (sm89+: L4, L40S, H100, H200, B200), not "
+            f"sm{capability[0]}{capability[1]}; set MOE_REWRITE_FP8_COMPUTE=0 (or rewrite without --fp8-compute)"
+        )
+    if kernels is None:
+        raise RuntimeError(
+            "moe-rewrite: FP8 compute needs the Triton kernels (triton installed, MOE_REWRITE_TRITON unset or 1, not "
+            "under torch.compile, bf16, fp16 or float32 activations); set MOE_REWRITE_FP8_COMPUTE=0 (or rewrite "
+            "without --fp8-compute)"
+        )
+    return True

@@ -13,12 +13,20 @@ block-quantized experts (DeepSeek-V3's checkpoints as shipped), expert_linears.p
 import torch
 
 from ..kernels.dispatch import (
+    _moe_rewrite_fp8_compute,
     _moe_rewrite_gemm_by_triton,
     _moe_rewrite_grouped_gemm,
+    _moe_rewrite_hopper,
     _moe_rewrite_setting,
     _moe_rewrite_triton,
 )
-from ..kernels.triton_gemm import _moe_rewrite_gemm_fits, _moe_rewrite_grouped_mm
+from ..kernels.triton_gemm import (
+    MOE_REWRITE_FP8_COMPUTE_SMALL_TILE,
+    _moe_rewrite_dequantize_rows,
+    _moe_rewrite_gemm_fits,
+    _moe_rewrite_grouped_mm,
+    _moe_rewrite_quantize_rows,
+)
 from .route import _moe_rewrite_gather, _moe_rewrite_token_sums, _MoeRewriteRoute
 
 
@@ -31,11 +39,14 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
 
     `scale`: b holds FP8 codes and this its 128 x 128 block scales (FP8 experts' weight source): the Triton kernel
     reads b as it is and multiplies each tile by its scales where it runs (CUDA sm89+, bf16 or fp16 rows),
-    else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`.
+    else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`; in FP8
+    compute (dispatch.py's _moe_rewrite_fp8_compute) _moe_rewrite_fp8_gmm runs it.
     """
     # generated with: fp8-experts
     if scale is not None:
         kernels = _moe_rewrite_triton(a.device, a.dtype)
+        if _moe_rewrite_fp8_compute(a.device, kernels):
+            return _moe_rewrite_fp8_gmm(kernels, a, b, offsets, mode, scale)
         n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
         fits = kernels is not None and _moe_rewrite_gemm_fits(n, k, scaled=True)
         fits = fits and a.dtype in (torch.bfloat16, torch.float16)
@@ -72,6 +83,22 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     if mode == "dgrad":
         return torch.cat([*(part @ w for part, w in zip(a_parts, b)), a.new_zeros(padding, b.shape[2])])
     return torch.stack([part.t() @ rows for part, rows in zip(a_parts, b[:total].split(counts.tolist()))])
+
+
+# generated with: fp8-experts
+def _moe_rewrite_fp8_gmm(kernels, a, b, offsets, mode, scale):
+    """FP8 compute (W8A8) of a "fwd" or "dgrad" product of FP8 experts (b's codes, `scale` their 128 x 128 block
+    scales), as DeepSeek-V3 trains: a's rows quantized per 1 x 128 tile along the product's depth (in dgrad the
+    output gradient's columns), each 128-deep product of codes on the FP8 tensor cores, added to the float32 sum
+    times its row's and block's scales, rounded once to a's dtype. Off CUDA the same real numbers multiply as torch
+    ops, in float32 or float64 (exact products, another order of sums)."""
+    codes, a_scale = _moe_rewrite_quantize_rows(kernels, a)
+    if kernels is not None:
+        tile = None if _moe_rewrite_hopper(a.device) else MOE_REWRITE_FP8_COMPUTE_SMALL_TILE
+        return _moe_rewrite_grouped_mm(kernels, codes, b, offsets, mode, scale, a_scale, a.dtype, tile)
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    real, weights = _moe_rewrite_dequantize_rows(codes, a_scale, dtype), _moe_rewrite_dequantize(b, scale, dtype)
+    return _moe_rewrite_gmm("sorted", real, weights, offsets, mode).to(a.dtype)
 
 
 class _MoeRewriteExpertWeight:
