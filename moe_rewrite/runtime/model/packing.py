@@ -10,7 +10,8 @@ MOE_REWRITE_PACKED=0 keeps the published attention across documents.
 
 import torch
 
-from ..kernels.dispatch import _moe_rewrite_setting
+# _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
+from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
 
 # "warned" -> the ambiguous-batch warning was given; "flex" -> the compiled flex_attention; (device, dtype, q/k dim,
 # v dim) -> the packed backend ("flex", "varlen" or "sdpa")
@@ -116,10 +117,11 @@ def _moe_rewrite_packed_attention(query, key, value, documents, scale, dropout_p
 
 
 def _moe_rewrite_packed_backend(query, value, documents, dropout_p):
-    """ "sdpa" (per document) off CUDA, with dropout, under MOE_REWRITE_PACKED_ATTENTION=sdpa, or where one document
-    holds most tokens; else the packed kernel chosen once per device, dtype and head dims: MOE_REWRITE_PACKED_ATTENTION
-    (flex, varlen), else varlen_attn where a small case runs and matches SDPA per document, else flex where it runs.
-    A function of the documents and the key only, so a checkpointed layer's recomputed forward takes the same path."""
+    """The packed backend: "sdpa" (per document) off CUDA, with dropout, under MOE_REWRITE_PACKED_ATTENTION=sdpa,
+    or where one document holds most tokens; else the kernel chosen once per device, dtype and head dims:
+    MOE_REWRITE_PACKED_ATTENTION (flex, varlen), else varlen_attn where a small case runs and matches SDPA per
+    document, else flex where it runs. A function of the documents and the shapes only, so a checkpointed layer's
+    recomputed forward takes the same path."""
     forced = _moe_rewrite_setting("MOE_REWRITE_PACKED_ATTENTION", "auto")
     if query.device.type != "cuda" or dropout_p > 0 or forced == "sdpa" or torch.compiler.is_compiling():
         return "sdpa"
