@@ -25,6 +25,7 @@ from moe_rewrite.codemods.model import (
     gradient_checkpointing,
     init_weights,
     lm_loss,
+    packing,
     rmsnorm,
     rope,
 )
@@ -42,6 +43,7 @@ CODEMODS: list[Codemod] = [
     attention,
     attention_mask,
     lm_loss,
+    packing,
     rmsnorm,
     rope,
     gradient_checkpointing,

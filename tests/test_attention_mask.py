@@ -119,6 +119,8 @@ WRAPPED = """\
                 (batch_size, seq_length),
                 inputs_embeds,
                 past_length,
+                position_ids=position_ids,
+                packed=kwargs,
             )
 """
 DONE = "attention mask: DeepseekV3Model passes none where SDPA runs causal-only (no padding, no cache)"

@@ -141,6 +141,11 @@ SECTION_LIST = (
         "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: trained without it, said once",
     ),
     Entry(
+        "packing",
+        "model",
+        "packed documents (restarting position ids, cu_seq_lens_*) each attending to itself; num_items_in_batch",
+    ),
+    Entry(
         "attention",
         "model",
         "the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape",

@@ -46,7 +46,7 @@ from moe_rewrite.codemods.kit import (
     top_classes,
     walk,
 )
-from moe_rewrite.codemods.model import attention
+from moe_rewrite.codemods.model import attention, packing
 from moe_rewrite.codemods.model.attention import PRETRAINED_BASE
 from moe_rewrite.codemods.model.mask_flow import Chain
 
@@ -129,8 +129,10 @@ def _edited(module: cst.Module, edit) -> cst.Module:
 
 
 def undo(module: cst.Module, index: Index | None = None) -> cst.Module:
-    """The module with an earlier run's wrapped calls back as published."""
+    """The module with an earlier run's wrapped calls back as published (and packing.py's edits, which sit on them,
+    taken back first)."""
     index = index or Index()
+    module = packing.undo(module)
 
     def published(forward: cst.FunctionDef) -> cst.FunctionDef:
         # one at a time: deep_replace makes new nodes

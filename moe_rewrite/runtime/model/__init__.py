@@ -1,8 +1,9 @@
-"""Model-level fixes outside the MoE layers: attention through SDPA, the chunked causal-LM loss, decoder-layer
-checkpointing, _init_weights guards. Imports kernels/ (dispatch's settings, the cross-entropy kernel).
+"""Model-level fixes outside the MoE layers: packed documents, attention through SDPA, the chunked causal-LM loss,
+decoder-layer checkpointing, _init_weights guards. Imports kernels/ (dispatch's settings, the cross-entropy kernel).
 
 Sections (moe_rewrite/runtime/__init__.py SECTION_LIST, in its order):
 
+    packing: packed documents (restarting position ids, cu_seq_lens_*) each attending to itself; num_items_in_batch
     attention: the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape
     lm_loss: the causal-LM loss in chunks, without float32 logits over the vocabulary, in training with labels
     checkpoint_layer: gradient_checkpointing_enable() checkpoints the decoder layers

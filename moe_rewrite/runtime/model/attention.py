@@ -8,6 +8,12 @@ import torch
 
 # _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
 from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
+from .packing import (
+    _moe_rewrite_documents,
+    _moe_rewrite_documents_mask,
+    _moe_rewrite_packed_attention,
+    _MoeRewriteDocuments,
+)
 
 # (device, dtype, q/k head dim, v head dim) -> "math", "cudnn", "flash_padded" or "sdpa"
 _moe_rewrite_attention_cache = {}
@@ -22,7 +28,18 @@ def _moe_rewrite_sdpa_enabled():
 def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
     """softmax(query·keyᵀ·scale + mask)·value, with dropout p on the probabilities, as the published core computes it.
     `mask` is the file's additive mask (0 where a key is seen, the dtype's lowest value where not) or None: None is the
-    causal mask for a query as long as the keys, and no mask for a single query (a decoding step)."""
+    causal mask for a query as long as the keys, and no mask for a single query (a decoding step), or packed
+    documents (packing.py), each causal on its own."""
+    if isinstance(mask, _MoeRewriteDocuments):
+        return _moe_rewrite_packed_attention(
+            query,
+            key,
+            value,
+            mask,
+            scale,
+            dropout_p,
+            lambda q, k, v: _moe_rewrite_attention(q, k, v, None, scale, dropout_p),
+        )
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if mask is None and q_len > 1 and q_len != kv_len:  # SDPA's is_causal is top-left aligned: wrong with a cache
         raise ValueError(f"moe-rewrite: attention over {kv_len} keys for {q_len} queries needs a mask")
@@ -123,28 +140,39 @@ def _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
     return True
 
 
-def _moe_rewrite_sdpa_mask(build, config, output_attentions, mask, shape, embeds, past_length):
+def _moe_rewrite_sdpa_mask(
+    build, config, output_attentions, mask, shape, embeds, past_length, position_ids=None, packed=None
+):
     """The mask the Model hands every layer: `build(mask, shape, embeds, past_length)`, the file's own 4-D additive
     mask, except None where every layer runs SDPA (config "sdpa", MOE_REWRITE_SDPA on, no attention weights asked
     for) and that mask would only be causal: no 2-D mask or one of all ones, and no cache (the queries are all the
     keys) or a single query. _moe_rewrite_attention then runs SDPA's causal kernel instead of a masked one (cuDNN:
     1.5 ms against 5.3 at 2 x 4096, bench/e2e/PLAN.md). Padding keeps the 4-D mask: padded rows still feed the
     router. One host sync for the all-ones test, as transformers' own SDPA check has; under tracing
-    (torch.compile, torch.fx, torch.jit) always the file's mask."""
+    (torch.compile, torch.fx, torch.jit) always the file's mask. A packed batch (`position_ids`, and `packed` the
+    forward's keyword arguments: packing.py) gets its documents in place of None, or in the file's mask where that
+    is built (eager, attention weights asked for): each document then attends only to itself."""
     q_len = shape[-1]
+    traced = (
+        torch.jit.is_tracing()
+        or isinstance(embeds, torch.fx.Proxy)
+        or isinstance(mask, torch.fx.Proxy)
+        or torch.compiler.is_compiling()
+    )
+    documents = None
+    if not traced:
+        documents = _moe_rewrite_documents(config, mask, position_ids, packed, shape, past_length, embeds.device)
     if (
         getattr(config, "_attn_implementation", None) != "sdpa"
         or output_attentions
         or not _moe_rewrite_sdpa_enabled()
         or (past_length != 0 and q_len != 1)
-        or torch.jit.is_tracing()
-        or isinstance(embeds, torch.fx.Proxy)
-        or isinstance(mask, torch.fx.Proxy)
-        or torch.compiler.is_compiling()
+        or traced
     ):
-        return build(mask, shape, embeds, past_length)
+        built = build(mask, shape, embeds, past_length)
+        return built if documents is None else _moe_rewrite_documents_mask(built, documents)
     if mask is not None:
         # the file's function blocks every key whose value is not exactly 1
         if tuple(mask.shape) != (shape[0], past_length + q_len) or not bool((mask == 1).all()):
             return build(mask, shape, embeds, past_length)
-    return None
+    return documents

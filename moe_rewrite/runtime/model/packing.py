@@ -1,0 +1,269 @@
+"""Packed documents (codemods/packing.py): several documents in one row, each attending only to itself, as
+transformers' DataCollatorWithFlattening packs them: position ids restarting at 0 for each document, no attention
+mask, and with `return_flash_attn_kwargs=True` the `cu_seq_lens_q/k` and `max_length_q/k` keyword arguments. The
+Model's mask call (_moe_rewrite_sdpa_mask) hands every layer one _MoeRewriteDocuments in place of the mask, and
+_moe_rewrite_attention runs each document causal on its own: FlexAttention with a document block mask, torch's
+varlen_attn, or SDPA per document (CPU: the math kernel per document, the published arithmetic). The loss needs
+nothing: the collator's labels are -100 at each document's first token. config.moe_rewrite_packed = False or
+MOE_REWRITE_PACKED=0 keeps the published attention across documents.
+"""
+
+import torch
+
+# _moe_rewrite_options marks this module as holding generated caches (tests/conftest.py empties them by that name)
+from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noqa: F401
+
+# "warned" -> the ambiguous-batch warning was given; "flex" -> the compiled flex_attention; (device, dtype, q/k dim,
+# v dim) -> the packed backend ("flex", "varlen" or "sdpa")
+_moe_rewrite_packing_cache = {}
+MOE_REWRITE_FLEX_BLOCK = 128  # FlexAttention's block: the flattened tokens are padded to a multiple of it
+# Where the longest document holds at least this share of the tokens, SDPA per document (cuDNN's causal kernel over
+# it) beats a document mask over the whole row (bench/packing_probe.py: 7.2 ms flex against 2.7 for one 8192-token
+# document, 1.8 against 7.1 for 14 documents of median 500)
+MOE_REWRITE_LONG_DOCUMENT_SHARE = 0.5
+
+
+class _MoeRewriteDocuments:
+    """The documents of a packed batch, in place of the attention mask: `starts` (host ints) where each document
+    begins in the batch's tokens flattened to one row (rows are never shared: every row starts a document), its
+    last entry the number of tokens; `ids` (rows, tokens) the document of each token, on the device. Built once per
+    forward and shared by every layer (and by a checkpointed layer's recomputed forward)."""
+
+    __slots__ = ("starts", "ids", "max_length", "_cache")
+
+    def __init__(self, starts, ids):
+        self.starts, self.ids = starts, ids
+        self.max_length = max(b - a for a, b in zip(starts[:-1], starts[1:]))
+        self._cache = {}
+
+    def cu_seqlens(self, device):
+        if "cu" not in self._cache:
+            self._cache["cu"] = torch.tensor(self.starts, dtype=torch.int32, device=device)
+        return self._cache["cu"]
+
+
+def _moe_rewrite_packing_enabled(config):
+    """Whether packed batches run per document: config.moe_rewrite_packed (default True) and MOE_REWRITE_PACKED."""
+    return getattr(config, "moe_rewrite_packed", True) and _moe_rewrite_setting("MOE_REWRITE_PACKED", "1") != "0"
+
+
+def _moe_rewrite_documents(config, mask, position_ids, packed, shape, past_length, device):
+    """The batch's documents where it is packed, else None: the collator's `cu_seq_lens_q` (with `cu_seq_lens_k`
+    equal), or position ids restarting inside a row (a position not one more than the one before it), as
+    transformers finds packed rows for its own models: only with no attention mask and no cache, and not when
+    opted out. One host sync (the boundaries), as the all-ones mask test has."""
+    rows, length = shape
+    packed = packed or {}
+    if mask is not None or past_length != 0 or length < 2 or not _moe_rewrite_packing_enabled(config):
+        return None
+    cu = packed.get("cu_seq_lens_q")
+    if cu is not None:
+        cu_k = packed.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(torch.as_tensor(cu_k).cpu(), torch.as_tensor(cu).cpu()):
+            raise ValueError("moe-rewrite: packed documents need cu_seq_lens_k equal to cu_seq_lens_q (no cache)")
+        starts = [int(s) for s in torch.as_tensor(cu).reshape(-1).tolist()]
+        if starts[0] != 0 or starts[-1] != rows * length or any(b <= a for a, b in zip(starts[:-1], starts[1:])):
+            raise ValueError(f"moe-rewrite: cu_seq_lens_q {starts} does not split the batch's {rows * length} tokens")
+        bounds = torch.zeros(rows * length, dtype=torch.bool)
+        bounds[starts[:-1]] = True
+        bounds = bounds.view(rows, length)
+        if rows > 1 and not bool(bounds[:, 0].all()):
+            raise ValueError("moe-rewrite: cu_seq_lens_q has a document across two rows")
+        ids = torch.cumsum(bounds.reshape(-1), 0).view(rows, length) - 1
+        return _MoeRewriteDocuments(starts, ids.to(device))
+    if position_ids is None or isinstance(position_ids, torch.fx.Proxy) or torch.compiler.is_compiling():
+        return None
+    positions = position_ids.expand(rows, -1) if position_ids.shape[0] != rows else position_ids
+    step = torch.diff(positions, dim=-1) != 1
+    bounds = torch.cat([torch.ones_like(step[:, :1]), step], dim=-1)
+    flat = bounds.reshape(-1)
+    found = torch.nonzero(flat).reshape(-1).tolist()  # the host sync
+    if len(found) == rows:
+        return None  # one document per row: the causal mask is the published one
+    if "warned" not in _moe_rewrite_packing_cache:
+        _moe_rewrite_packing_cache["warned"] = True
+        import warnings
+
+        warnings.warn(
+            "moe-rewrite: position_ids restart inside a row and there is no attention_mask: the row is read as packed "
+            "documents (DataCollatorWithFlattening), each attending only to itself, as transformers does; "
+            "config.moe_rewrite_packed = False or MOE_REWRITE_PACKED=0 keeps the published attention across them",
+            stacklevel=4,
+        )
+    return _MoeRewriteDocuments(found + [rows * length], (torch.cumsum(flat, 0) - 1).view(rows, length))
+
+
+def _moe_rewrite_documents_mask(mask, documents):
+    """The file's additive 4-D mask with every key of another document blocked (eager attention, attention weights
+    asked for): the published core then computes each document alone."""
+    ids = documents.ids.to(mask.device)
+    other = ids[:, None, :, None] != ids[:, None, None, :]
+    return mask.masked_fill(other, torch.finfo(mask.dtype).min)
+
+
+def _moe_rewrite_packed_attention(query, key, value, documents, scale, dropout_p, causal_core):
+    """Attention of (batch, heads, tokens, dim) queries, keys and values where `documents` packs the tokens: each
+    document causal on its own, as `causal_core(q, k, v)` (the SDPA core, mask None) would compute it alone."""
+    rows, heads, length, _ = query.shape
+    backend = _moe_rewrite_packed_backend(query, value, documents, dropout_p)
+    if backend == "sdpa":
+        return _moe_rewrite_attention_per_document(query, key, value, documents, causal_core)
+    flat = [t.transpose(1, 2).reshape(rows * length, heads, t.shape[-1]) for t in (query, key, value)]
+    if backend == "varlen":
+        out = _moe_rewrite_varlen(*flat, documents, scale)
+    else:
+        out = _moe_rewrite_flex(*flat, documents, scale)
+    return out.reshape(rows, length, heads, -1).transpose(1, 2)
+
+
+def _moe_rewrite_packed_backend(query, value, documents, dropout_p):
+    """The packed backend: "sdpa" (per document) off CUDA, with dropout, under MOE_REWRITE_PACKED_ATTENTION=sdpa,
+    or where one document holds most tokens; else the kernel chosen once per device, dtype and head dims:
+    MOE_REWRITE_PACKED_ATTENTION (flex, varlen), else varlen_attn where a small case runs and matches SDPA per
+    document, else flex where it runs. A function of the documents and the shapes only, so a checkpointed layer's
+    recomputed forward takes the same path."""
+    forced = _moe_rewrite_setting("MOE_REWRITE_PACKED_ATTENTION", "auto")
+    if query.device.type != "cuda" or dropout_p > 0 or forced == "sdpa" or torch.compiler.is_compiling():
+        return "sdpa"
+    longest = documents.max_length / documents.starts[-1]
+    if forced == "auto" and longest >= MOE_REWRITE_LONG_DOCUMENT_SHARE:
+        return "sdpa"
+    key = (query.device, query.dtype, query.shape[-1], value.shape[-1], forced)
+    if key not in _moe_rewrite_packing_cache:
+        order = [forced] if forced in ("flex", "varlen") else ["varlen", "flex"]
+        choice = next((name for name in order if _moe_rewrite_packed_runs(name, *key[:4])), "sdpa")
+        _moe_rewrite_packing_cache[key] = choice
+    return _moe_rewrite_packing_cache[key]
+
+
+def _moe_rewrite_packed_runs(backend, device, dtype, qk_dim, v_dim):
+    """Whether `backend` runs three documents (forward and backward) at these dims and matches SDPA per document
+    within the dtype's tolerance; under hooks of its own, as attention.py's probe (gradient checkpointing)."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        shape = (1, 2, 300, qk_dim)
+        q, k = (torch.randn(shape, device=device, dtype=dtype, generator=generator) for _ in range(2))
+        v = torch.randn(1, 2, 300, v_dim, device=device, dtype=dtype, generator=generator)
+        ids = torch.tensor([0] * 40 + [1] * 200 + [2] * 60, device=device).view(1, 300)
+        documents = _MoeRewriteDocuments([0, 40, 240, 300], ids)
+        flat = [t.transpose(1, 2).reshape(300, 2, t.shape[-1]).requires_grad_() for t in (q, k, v)]
+        own_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with own_hooks, torch.enable_grad():
+            run = _moe_rewrite_varlen if backend == "varlen" else _moe_rewrite_flex
+            out = run(*flat, documents, None)
+            out.float().sum().backward()
+        want = _moe_rewrite_attention_per_document(
+            q.float(),
+            k.float(),
+            v.float(),
+            documents,
+            lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True),
+        )
+        got = out.reshape(1, 300, 2, v_dim).transpose(1, 2).float()
+        return bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2)) and bool(flat[0].grad.isfinite().all())
+    except Exception:  # noqa: BLE001 (any failure of an optional kernel: it is not chosen)
+        return False
+
+
+def _moe_rewrite_attention_per_document(query, key, value, documents, causal_core):
+    """Each document's slice through `causal_core`, concatenated: exactly each document alone (one launch per
+    document: the fallback, and the fastest where documents are few and long)."""
+    rows, heads, length, _ = query.shape
+    starts = documents.starts
+    outs = []
+    for start, end in zip(starts[:-1], starts[1:]):
+        row = start // length  # a document never crosses rows
+        a, b = start - row * length, end - row * length
+        outs.append(causal_core(query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b]))
+    out = torch.cat(outs, dim=2)  # (1, heads, rows * length, v_dim): the rows one after the other
+    return out[0].view(heads, rows, length, -1).transpose(0, 1) if rows > 1 else out
+
+
+def _moe_rewrite_varlen(query, key, value, documents, scale):
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10) over (tokens, heads, dim), causal within each
+    document (window (-1, 0)); value padded to the query's head dim where the kernel needs one dim."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = documents.cu_seqlens(query.device)
+    v_dim = value.shape[-1]
+    if v_dim != query.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - v_dim))
+    longest = documents.max_length
+    out = varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+    return out[..., :v_dim]
+
+
+def _moe_rewrite_flex(query, key, value, documents, scale):
+    """FlexAttention (compiled once per process) over (tokens, heads, dim) with a document-causal block mask built
+    from the documents (cached on them: one per forward, shared by the layers); tokens padded to a multiple of its
+    block, the padding a document of its own."""
+    tokens, block = query.shape[0], MOE_REWRITE_FLEX_BLOCK
+    padded = -(-tokens // block) * block
+    block_mask = documents._cache.get("block_mask")
+    if block_mask is None:
+        block_mask = documents._cache["block_mask"] = _moe_rewrite_document_block_mask(documents, padded, query.device)
+    q, k, v = (
+        torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded - tokens)).transpose(0, 1)[None] for t in (query, key, value)
+    )
+    out = _moe_rewrite_flex_attention()(q, k, v, block_mask=block_mask, scale=scale)
+    return out[0].transpose(0, 1)[:tokens]
+
+
+def _moe_rewrite_flex_attention():
+    """flex_attention, compiled once per process (its eager form materialises the scores; off CUDA it stays eager)."""
+    if "flex" not in _moe_rewrite_packing_cache:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _moe_rewrite_packing_cache["flex"] = torch.compile(flex_attention)
+    return _moe_rewrite_packing_cache["flex"]
+
+
+def _moe_rewrite_document_block_mask(documents, padded, device):
+    """The BlockMask of `q >= kv and same document` over `padded` tokens (the padding one more document), built with
+    tensor ops from the documents (create_block_mask evaluates the mask on every pair: 10-20 ms a call): a block
+    pair is visited where the key block's last document reaches the query block's first and the key block is not
+    after it; full (no mask_mod) where both blocks lie in one document and the key block is before the query
+    block."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block = MOE_REWRITE_FLEX_BLOCK
+    ids = documents.ids.reshape(-1).to(device)
+    ids = torch.cat([ids, ids.new_full((padded - ids.numel(),), int(ids[-1]) + 1)]) if padded > ids.numel() else ids
+    blocks = ids.view(-1, block)
+    first, last = blocks[:, 0], blocks[:, -1]  # documents are in order: a block's smallest and largest
+    n = blocks.shape[0]
+    q_index = torch.arange(n, device=device)[:, None]
+    kv_index = torch.arange(n, device=device)[None, :]
+    visited = (kv_index <= q_index) & (last[None, :] >= first[:, None])
+    one = first == last
+    full = visited & (kv_index < q_index) & one[:, None] & one[None, :] & (first[:, None] == first[None, :])
+    partial = visited & ~full
+
+    def indices(pattern):
+        counts = pattern.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~pattern).to(torch.int8), dim=-1, stable=True).to(
+            torch.int32
+        )  # the set blocks first, in order
+        return counts[None, None], order[None, None]
+
+    def document_causal(b, h, q, kv):
+        return (q >= kv) & (ids[q] == ids[kv])
+
+    kv_num, kv_indices = indices(partial)
+    full_num, full_indices = indices(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block, mask_mod=document_causal
+    )
+
+
+def _moe_rewrite_items_loss(loss, labels, kwargs):
+    """The loss under transformers' gradient-accumulation convention: where the Trainer passes
+    `num_items_in_batch` (the labels counted over all micro-batches of a step), the sum of the token losses divided
+    by it, not their mean, so that the step's loss does not depend on how the documents fall into micro-batches;
+    else the loss as computed."""
+    items = kwargs.get("num_items_in_batch") if kwargs else None
+    if loss is None or labels is None or items is None:
+        return loss
+    counted = (labels[..., 1:] != -100).sum().to(loss.device)
+    total = torch.where(counted > 0, loss, torch.zeros_like(loss)) * counted
+    return total / torch.as_tensor(items, device=loss.device).to(loss.dtype)
