@@ -304,6 +304,14 @@ def _describe(result: RewriteResult) -> str:
     "codes kept FP8, LoRA on them). [default: where the checkpoint's config.json asks for FP8, or where an earlier "
     "rewrite of the file has them; said in the summary]",
 )
+@click.option(
+    "--expert-parallel/--no-expert-parallel",
+    default=None,
+    help="Generate expert parallelism (ep_size > 1: each rank holds some of every layer's experts, rows exchanged "
+    "all-to-all; model.moe_rewrite_fully_shard, moe_rewrite_expert_parallel, moe_rewrite_all_reduce_gradients), for "
+    "training on several GPUs; needs fused experts. [default: where an earlier rewrite of the file has it; said in "
+    "the summary]",
+)
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
     "--skip-unrecognised",
@@ -335,6 +343,7 @@ def command(
     fused_rope,
     fuse_experts,
     fp8_experts,
+    expert_parallel,
     force,
     skip_unrecognised,
     include_weights,
@@ -385,6 +394,7 @@ def command(
         fused_norm=fused_norm,
         fused_rope=fused_rope,
         fp8_experts=fp8_experts,
+        expert_parallel=expert_parallel,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

@@ -30,6 +30,9 @@ class RewriteOptions:
     # checkpoint's config.json asks for FP8 (quantization_config), else where an earlier rewrite's banner records
     # them, else not (rewrite.fp8_choice, said in the summary)
     fp8_experts: bool | None = None
+    # expert parallelism (runtime/moe/expert_parallel.py, runtime/parallel/): generated where asked, with fused experts
+    # only; None, the default: where an earlier rewrite's banner records it, else not (rewrite.expert_parallel_choice)
+    expert_parallel: bool | None = None
     # not an option: what the file's experts chose (codemods/moe/expert_mlp.py): their forward casts x to their weights'
     # dtype and back (DeepSeek's ESFT fork), so moe_train checks the experts' dtypes (render.features, "expert-casts")
     expert_casts: bool = False
@@ -41,11 +44,13 @@ class RewriteOptions:
             raise RewriteError(f"unknown stacking {self.stacking!r}; choose from {', '.join(STACKINGS)}")
         if self.bias_update is not None and not (math.isfinite(self.bias_update) and self.bias_update > 0):
             raise RewriteError(f"--bias-update RATE must be a positive number, got {self.bias_update}")
+        if self.expert_parallel and self.fuse_experts is False:
+            raise RewriteError("--expert-parallel needs fused experts: drop --no-fuse-experts")
 
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts]: the defaults are not
-        named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts][, expert-parallel]:
+        the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -67,6 +72,8 @@ class RewriteOptions:
             parts.append("no-fused-rope")
         if self.fp8_experts:
             parts.append("fp8-experts")
+        if self.expert_parallel:
+            parts.append("expert-parallel")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:
