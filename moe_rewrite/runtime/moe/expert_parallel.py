@@ -28,9 +28,6 @@ from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
 
-# generated with: expert-parallel
-_moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
-
 
 def _moe_rewrite_ep_rank(config):
     """This rank's place in its expert-parallel group (rank % config.ep_size): the MoE layer's __init__ builds experts
@@ -49,6 +46,10 @@ def _moe_rewrite_ep_rank(config):
             f"moe-rewrite: ep_size={ep} must divide the world size ({world}) and n_routed_experts ({experts})"
         )
     return dist.get_rank() % ep
+
+
+# generated with: expert-parallel
+_moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
 
 
 # generated with: expert-parallel

@@ -10,29 +10,6 @@ from ..moe.expert_parallel import _moe_rewrite_ep_group, _moe_rewrite_no_expert_
 from .expert_parallel_model import _moe_rewrite_ep_layers, _moe_rewrite_ep_size
 
 
-# generated with: expert-parallel
-def _moe_rewrite_gather_experts(value, name, layer):
-    """A layer's expert tensor `name` (relative to its experts) whole over the layer's expert-parallel group, in
-    global expert order: the fused parameters (expert first; FP8 experts' codes and block scales too), and the LoRA
-    weights of PEFT's wrappers of them, lora_A (E * r, in) expert-major and lora_B (out, r * E) expert-minor (PEFT's
-    ParamWrapper layout)."""
-    dist = torch.distributed
-    fused = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
-    if name not in fused and not name.startswith(("lora_A.", "lora_B.")):
-        raise RuntimeError(f"moe-rewrite: cannot gather the experts' {name} from the expert-parallel ranks")
-    raw = value.detach().contiguous()
-    # generated with: fp8-experts
-    if raw.dtype == torch.float8_e4m3fn:  # FP8 codes travel as bytes (gloo has no float8)
-        raw = raw.view(torch.uint8)
-    parts = [torch.empty_like(raw) for _ in range(layer.ep_size)]
-    dist.all_gather(parts, raw, group=_moe_rewrite_ep_group(layer))
-    if name.startswith("lora_B."):
-        local = layer.config.n_routed_experts // layer.ep_size
-        parts = [part.view(part.shape[0], -1, local) for part in parts]
-        return torch.cat(parts, dim=2).flatten(1)
-    return torch.cat(parts).view(value.dtype)
-
-
 def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
     """For save_pretrained under expert parallelism or FSDP2, called on every rank: (the whole state dict (the
     model's own when None) on the writing rank, None on the others; True): each layer's fused experts gathered from
@@ -76,6 +53,29 @@ def _moe_rewrite_gathered_state_dict(model, state_dict, writes):
             for share in shares:
                 whole.update(share)
     return (whole if writes else None), True
+
+
+# generated with: expert-parallel
+def _moe_rewrite_gather_experts(value, name, layer):
+    """A layer's expert tensor `name` (relative to its experts) whole over the layer's expert-parallel group, in
+    global expert order: the fused parameters (expert first; FP8 experts' codes and block scales too), and the LoRA
+    weights of PEFT's wrappers of them, lora_A (E * r, in) expert-major and lora_B (out, r * E) expert-minor (PEFT's
+    ParamWrapper layout)."""
+    dist = torch.distributed
+    fused = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    if name not in fused and not name.startswith(("lora_A.", "lora_B.")):
+        raise RuntimeError(f"moe-rewrite: cannot gather the experts' {name} from the expert-parallel ranks")
+    raw = value.detach().contiguous()
+    # generated with: fp8-experts
+    if raw.dtype == torch.float8_e4m3fn:  # FP8 codes travel as bytes (gloo has no float8)
+        raw = raw.view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(layer.ep_size)]
+    dist.all_gather(parts, raw, group=_moe_rewrite_ep_group(layer))
+    if name.startswith("lora_B."):
+        local = layer.config.n_routed_experts // layer.ep_size
+        parts = [part.view(part.shape[0], -1, local) for part in parts]
+        return torch.cat(parts, dim=2).flatten(1)
+    return torch.cat(parts).view(value.dtype)
 
 
 # generated with: expert-parallel
