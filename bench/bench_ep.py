@@ -94,7 +94,8 @@ def main():
         torch.cuda.set_device(device)
     cfg = SIZES[args.config]
     work = Path(tempfile.mkdtemp())
-    modeling, configuration = import_patched(rewrite_fixture(work / f"patched_ep{rank}"), f"patched_ep{rank}")
+    patched = rewrite_fixture(work / f"patched_ep{rank}", "--expert-parallel")
+    modeling, configuration = import_patched(patched, f"patched_ep{rank}")
     x, ids, w, grad = routings(cfg, device, seed=1 + rank)[0]  # this rank's tokens, routing, output gradient
     name = torch.cuda.get_device_name() if cuda else "cpu"
     results = {"config": args.config, "sizes": cfg, "world": world, "backend": args.backend, "device": name}

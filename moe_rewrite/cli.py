@@ -311,6 +311,14 @@ def _describe(result: RewriteResult) -> str:
     "DeepSeek-V3 trains; faster than bf16 on sm89+ GPUs, within a few percent of its numbers; docs/training.md). "
     "Implies --fp8-experts; MOE_REWRITE_FP8_COMPUTE=0/1 overrides it at run time. [default: bf16 compute (W8A16)]",
 )
+@click.option(
+    "--expert-parallel/--no-expert-parallel",
+    default=None,
+    help="Generate expert parallelism (ep_size > 1: each rank holds some of every layer's experts, rows exchanged "
+    "all-to-all; model.moe_rewrite_fully_shard, moe_rewrite_expert_parallel, moe_rewrite_all_reduce_gradients), for "
+    "training on several GPUs; needs fused experts. [default: where an earlier rewrite of the file has it; said in "
+    "the summary]",
+)
 @click.option("--force", is_flag=True, help="With --out: replace files there that moe-rewrite did not write.")
 @click.option(
     "--skip-unrecognised",
@@ -343,6 +351,7 @@ def command(
     fuse_experts,
     fp8_experts,
     fp8_compute,
+    expert_parallel,
     force,
     skip_unrecognised,
     include_weights,
@@ -394,6 +403,7 @@ def command(
         fused_rope=fused_rope,
         fp8_experts=fp8_experts,
         fp8_compute=fp8_compute,
+        expert_parallel=expert_parallel,
     )
     if in_place and (hub := next((s for s in specs if sources.hub_repo(s) is not None), None)):
         raise RewriteError(f"{sources.shown(hub)}: a Hub repo cannot be rewritten in place; use --out DIR")

@@ -33,6 +33,9 @@ class RewriteOptions:
     # FP8 experts' grouped GEMMs in FP8 compute (W8A8: rows quantized per 1 x 128 tile, FP8 tensor cores), the default
     # of the generated code's MOE_REWRITE_FP8_COMPUTE; asks for FP8 experts (rewrite.fp8_choice), refused without them
     fp8_compute: bool = False
+    # expert parallelism (runtime/moe/expert_parallel.py, runtime/parallel/): generated where asked, with fused experts
+    # only; None, the default: where an earlier rewrite's banner records it, else not (rewrite.expert_parallel_choice)
+    expert_parallel: bool | None = None
     # not an option: what the file's experts chose (codemods/moe/expert_mlp.py): their forward casts x to their weights'
     # dtype and back (DeepSeek's ESFT fork), so moe_train checks the experts' dtypes (render.features, "expert-casts")
     expert_casts: bool = False
@@ -47,10 +50,13 @@ class RewriteOptions:
         if self.fp8_compute and self.fp8_experts is False:
             raise RewriteError("--fp8-compute runs FP8 experts' GEMMs in FP8: it cannot go with --no-fp8-experts")
 
+        if self.expert_parallel and self.fuse_experts is False:
+            raise RewriteError("--expert-parallel needs fused experts: drop --no-fuse-experts")
+
     def describe(self) -> str:
         """backend=auto, stacking=stack[, aux-loss][, bias-update=0.001][, no-gradient-checkpointing][, no-fuse-experts]
-        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts][, fp8-compute]: the
-        defaults are not named."""
+        [, no-compat][, no-sdpa][, no-fused-loss][, no-fused-norm][, no-fused-rope][, fp8-experts][, fp8-compute]
+        [, expert-parallel]: the defaults are not named."""
         parts = [f"backend={self.backend}", f"stacking={self.stacking}"]
         if self.aux_loss:
             parts.append("aux-loss")
@@ -74,6 +80,8 @@ class RewriteOptions:
             parts.append("fp8-experts")
         if self.fp8_compute:
             parts.append("fp8-compute")
+        if self.expert_parallel:
+            parts.append("expert-parallel")
         return ", ".join(parts)
 
     def as_dict(self, version: str) -> dict:

@@ -111,12 +111,12 @@ def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 
 def features(options: RewriteOptions) -> frozenset[str]:
     """The features whose code a rewrite with these (decided) options generates: FP8 experts where asked
-    (fp8_experts), expert parallelism wherever the experts fuse (it is refused with --no-fuse-experts), the experts'
-    dtype check where their forward casts x to their weights' dtype (expert_casts)."""
+    (fp8_experts), expert parallelism where asked (expert_parallel) and the experts fuse, the experts' dtype check
+    where their forward casts x to their weights' dtype (expert_casts)."""
     on = {"fp8-experts"} if options.fp8_experts else set()
     if options.expert_casts:
         on.add("expert-casts")
-    if options.fuse_experts is not False:
+    if options.expert_parallel and options.fuse_experts is not False:
         on.add("expert-parallel")
     return frozenset(on)
 

@@ -135,8 +135,9 @@ def rewrite_source(text: str, options: RewriteOptions | None = None, config: dic
     if sys.version_info >= (3, 11):  # libcst walks a long `a + b + ...` chain one frame per term
         sys.setrecursionlimit(max(limit, DEEP_RECURSION))
     options, fp8_line = fp8_choice(options, config, body)
+    options, ep_line = expert_parallel_choice(options, body)
     try:
-        new_body, context = _rewrite(body, options, [fp8_line] if fp8_line else [])
+        new_body, context = _rewrite(body, options, [line for line in (fp8_line, ep_line) if line])
         if new_body != body and up_to_date(body, new_body):
             new_body = body
     except RecursionError:
@@ -230,6 +231,19 @@ def fp8_choice(options: RewriteOptions, config: dict | None, text: str) -> tuple
         line = "FP8 experts: kept, as the earlier rewrite's banner records them (--no-fp8-experts drops them)"
         return dataclasses.replace(options, fp8_experts=True), line
     return dataclasses.replace(options, fp8_experts=False), None
+
+
+def expert_parallel_choice(options: RewriteOptions, text: str) -> tuple[RewriteOptions, str | None]:
+    """The options with expert_parallel decided, and the summary line saying why where the file chose it: the caller's
+    choice stands; else expert parallelism where an earlier rewrite's banner records it (a second run keeps it), else
+    none."""
+    if options.expert_parallel is not None:
+        return options, None
+    banner = re.search(rf"^{re.escape(block.BANNER)} .*\bexpert-parallel\b", text, re.M)
+    if banner and options.fuse_experts is not False:
+        line = "expert parallelism: kept, as the earlier rewrite's banner records it (--no-expert-parallel drops it)"
+        return dataclasses.replace(options, expert_parallel=True), line
+    return dataclasses.replace(options, expert_parallel=False), None
 
 
 def _rewrite(text: str, options: RewriteOptions, chosen: list[str]) -> tuple[str, Context]:

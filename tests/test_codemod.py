@@ -72,6 +72,7 @@ OPTION_CASES = {
     "no-fuse-experts": ("--no-fuse-experts",),
     "fp8-experts": ("--fp8-experts",),
     "fp8-compute": ("--fp8-compute",),
+    "expert-parallel": ("--expert-parallel",),
     "aux-loss": ("--aux-loss",),
     "bias-update": ("--bias-update", "0.001"),
     "no-gradient-checkpointing": ("--no-gradient-checkpointing",),
@@ -84,6 +85,7 @@ OPTION_CASES = {
 }
 FIXTURE_CASES = [("deepseek_v3", name) for name in OPTION_CASES] + [
     ("deepseek_v2", "defaults"),
+    ("deepseek_v2", "expert-parallel"),
     ("deepseek_v2", "no-fuse-experts"),
     ("deepseek_v2_esft", "no-fuse-experts"),
 ]
@@ -111,6 +113,8 @@ def _options(args: tuple[str, ...]) -> RewriteOptions:
             values["fp8_experts"] = True
         elif flag == "--fp8-compute":
             values["fp8_compute"] = True
+        elif flag == "--expert-parallel":
+            values["expert_parallel"] = True
         elif flag == "--bias-update":
             values["bias_update"] = float(rest.pop(0))
         else:

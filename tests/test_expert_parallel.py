@@ -241,7 +241,7 @@ def _lora_setups(rank, ref, whole, ids, mask, labels, out_dir):
 @pytest.fixture(scope="module", params=["v3", "v2"])
 def ep_results(request, tmp_path_factory):
     options = ("--bias-update", str(BIAS_RATE)) if request.param == "v3" else ()
-    ckpt = patched_checkpoint(tmp_path_factory, request.param, *options)
+    ckpt = patched_checkpoint(tmp_path_factory, request.param, "--expert-parallel", *options)
     out = tmp_path_factory.mktemp(f"ep_{request.param}")
     run_ranks(_ep_worker, out, ckpt, request.param, world=WORLD)
     return request.param, json.loads((out / "results.json").read_text())
@@ -316,13 +316,13 @@ def _gpu_worker(rank, ckpt, out_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_expert_parallel_on_one_gpu_through_gloo(tmp_path_factory, tmp_path):
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--expert-parallel")
     run_ranks(_gpu_worker, tmp_path, ckpt, world=2)
     assert json.loads((tmp_path / "gpu.json").read_text())["grad_error"] < 3e-2
 
 
 def test_expert_parallelism_needs_torch_distributed_and_a_dividing_ep_size(tmp_path_factory, tmp_path):
-    ckpt = patched_checkpoint(tmp_path_factory, "v2")
+    ckpt = patched_checkpoint(tmp_path_factory, "v2", "--expert-parallel")
     if dist.is_initialized():
         pytest.skip("needs no process group of its own")
     with pytest.raises(RuntimeError, match="ep_size=2 needs torch.distributed initialized"):
@@ -360,7 +360,7 @@ def test_the_multi_gpu_bench_scripts_run_on_the_cpu(tmp_path, tmp_path_factory):
     _torchrun("bench/bench_ep.py", "--config", "tiny", "--reps", "1", "--out", str(tmp_path), cwd=root)
     layer = json.loads((tmp_path / "ep-tiny-2.json").read_text())
     assert layer["rel_err_y"] < 1e-2 and layer["rel_err_grad_x"] < 2e-2 and layer["a2a_gb_per_rank"] > 0
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--expert-parallel")
     losses = {}
     for ep in (1, 2):
         out = tmp_path / f"e2e-ep{ep}.json"
@@ -433,7 +433,7 @@ def _bias_and_ddp_worker(rank, ckpt, out_dir):
 
 @pytest.fixture(scope="module")
 def bias_ddp_results(tmp_path_factory):
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--expert-parallel")
     out = tmp_path_factory.mktemp("bias_ddp")
     run_ranks(_bias_and_ddp_worker, out, ckpt, world=2)
     return json.loads((out / "bias_ddp.json").read_text())
@@ -461,7 +461,7 @@ def test_ddp_without_expert_parallelism_is_as_published(tmp_path_factory, tmp_pa
     set through its static method reach its constructor."""
     from torch.nn.parallel import DistributedDataParallel
 
-    ckpt = patched_checkpoint(tmp_path_factory, "v3")
+    ckpt = patched_checkpoint(tmp_path_factory, "v3", "--expert-parallel")
     if dist.is_initialized():
         pytest.skip("needs no process group of its own")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

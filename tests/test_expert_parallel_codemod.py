@@ -35,7 +35,8 @@ def _init(text: str, moe: str) -> str:
 def _moe_ep(text: str, form: str = "v2", moe: str = "DeepseekV2MoE") -> tuple[str, list[str]]:
     """The expert_parallel codemod alone on `text` (the MoE class as moe_forward finds it): (its output, its summary
     lines). The whole rewrite takes a second and a half per file; this one codemod a tenth of that."""
-    context = Context(options=RewriteOptions(), moe=MoeClassInfo(name=moe, gate_class="MoEGate", form=form))
+    options = RewriteOptions(expert_parallel=True)  # the lines are said only where expert parallelism is generated
+    context = Context(options=options, moe=MoeClassInfo(name=moe, gate_class="MoEGate", form=form))
     return expert_parallel.transform(cst.parse_module(text), context).code, context.chosen
 
 
@@ -126,10 +127,13 @@ def test_another_branch_is_left_as_published_and_said(name, edits, why):
 def test_the_summary_says_it_under_the_file(tmp_path):
     source = tmp_path / "modeling_deepseek.py"
     source.write_text(Mutation("v2", "assert_le", "exact", ((ASSERT, ASSERT.replace("==", "<=")),)).apply(V2_TEXT))
-    code, _, err = run_cli(source, "--out", tmp_path / "out")
+    code, _, err = run_cli(source, "--out", tmp_path / "out", "--expert-parallel")
     assert code == 0, err
     assert f"\n  {LEFT}0 `assert config.ep_size == dist.get_world_size()` in the branch, not one\n" in err, err
     assert "assert config.ep_size <= dist.get_world_size()\n" in (tmp_path / "out" / "modeling_deepseek.py").read_text()
+    # without expert parallelism (the default) ep_size > 1 is refused at the first forward: nothing to say
+    code, _, err = run_cli(source, "--out", tmp_path / "plain")
+    assert code == 0 and "expert parallelism" not in err, err
 
 
 def test_the_esft_form_keeps_its_branch():

@@ -212,8 +212,9 @@ def test_fp8_experts_that_cannot_be_fused_with_their_scales_are_refused(edit, re
 
 @pytest.fixture(scope="module")
 def fp8_model_files(tmp_path_factory):
-    """(the FP8 stand-in checkpoint of the default rewrite, the rewrite's directory), written once."""
-    code = patched_checkpoint(tmp_path_factory, "v3", "--fp8-experts")
+    """(the FP8 stand-in checkpoint of the rewrite with FP8 experts and expert parallelism, the rewrite's directory),
+    written once."""
+    code = patched_checkpoint(tmp_path_factory, "v3", "--fp8-experts", "--expert-parallel")
     return fp8_standin(tmp_path_factory, code)[1], code
 
 

@@ -1,19 +1,21 @@
 """Only the code a model can use is generated: FP8 experts' code where the checkpoint's config asks for FP8 (or
---fp8-experts), expert parallelism's exchange and sharding where they can run (not with --no-fuse-experts, where they
-are refused); the choice is said in the summary and recorded in the banner, and a second run changes nothing."""
+--fp8-experts), expert parallelism's exchange and sharding where asked (--expert-parallel, with fused experts only;
+elsewhere their entry points refuse in one line naming it); the choice is said in the summary and recorded in the
+banner, and a second run changes nothing."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-from conftest import V3_DIR, run_cli
+import pytest
+from conftest import V3_DIR, build_model, patched_checkpoint, run_cli
 
-from moe_rewrite import RewriteOptions, rewrite_source
+from moe_rewrite import RewriteError, RewriteOptions, rewrite_source
 
 # what each feature defines (docstrings elsewhere may name it)
 FP8_NAMES = ("class _MoeRewriteFP8", "def _moe_rewrite_dequantize(", "def _moe_rewrite_fp8_loading(", "dequantized_")
-EP_NAMES = ("def _moe_rewrite_expert_parallel(", "class _MoeRewriteAllToAll", "def moe_rewrite_fully_shard(")
+EP_NAMES = ("def _moe_rewrite_expert_parallel(", "class _MoeRewriteAllToAll", "def _moe_rewrite_fully_shard_api(")
 FP8_SECTIONS = {"fp8_experts"}
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -71,11 +73,64 @@ def test_fp8_choice_through_the_cli_is_said_and_a_second_run_changes_nothing(tmp
     assert (tmp_path / "no_fp8" / "modeling_deepseek.py").read_text() == dropped
 
 
-def test_expert_parallel_code_not_where_it_is_refused():
+def test_expert_parallel_code_only_where_asked_and_refused_in_one_line_elsewhere():
     text = (V3_DIR / "modeling_deepseek.py").read_text()
-    fused = rewrite_source(text)
-    assert [name for name in EP_NAMES if name not in fused.text] == []
+    plain = rewrite_source(text)
+    assert plain.options.expert_parallel is False and "expert-parallel" not in _banner(plain.text)
+    assert [name for name in EP_NAMES if name in plain.text] == [] and "expert_parallel_model" not in plain.sections
+    # what is left says how to get it, where a model would reach it: moe_train at ep_size > 1 and the model's methods
+    assert plain.text.count("_moe_rewrite_no_expert_parallel()") == 4
+    assert "rewrite it with --expert-parallel" in plain.text
+    ep = rewrite_source(text, RewriteOptions(expert_parallel=True))
+    assert [name for name in EP_NAMES if name not in ep.text] == [] and "expert-parallel" in _banner(ep.text)
+    assert "_moe_rewrite_no_expert_parallel" not in ep.text and "expert_parallel_model" in ep.sections
     per_expert = rewrite_source(text, RewriteOptions(fuse_experts=False))
     assert [name for name in EP_NAMES if name in per_expert.text] == []
-    # what is left says why, where a model would reach it
-    assert "expert parallelism needs the routed experts fused (rewrite without --no-fuse-experts)" in per_expert.text
+    assert per_expert.text.count("_moe_rewrite_no_expert_parallel()") == 4
+    with pytest.raises(RewriteError, match="^--expert-parallel needs fused experts: drop --no-fuse-experts$"):
+        rewrite_source(text, RewriteOptions(expert_parallel=True, fuse_experts=False))
+    # a second run keeps what the banner records, and says so; --no-expert-parallel drops it
+    again = rewrite_source(ep.text)
+    assert not again.changed and again.options.expert_parallel is True
+    assert again.chosen == (
+        "expert parallelism: kept, as the earlier rewrite's banner records it (--no-expert-parallel drops it)",
+    )
+    assert rewrite_source(ep.text, RewriteOptions(expert_parallel=False)).text == plain.text
+    assert not rewrite_source(plain.text).changed
+
+
+def test_expert_parallel_through_the_cli(tmp_path):
+    out = tmp_path / "out"
+    code, _, err = run_cli(V3_DIR, "--out", out, "--expert-parallel", "--no-fuse-experts")
+    expected = "moe-rewrite: error: --expert-parallel needs fused experts: drop --no-fuse-experts"
+    assert (code, err.strip().splitlines()) == (2, [expected])
+    assert not out.exists()
+    code, _, err = run_cli(V3_DIR, "--out", out, "--expert-parallel")
+    assert code == 0, err
+    assert "expert-parallel" in err.splitlines()[0]  # the options the file was rewritten with
+    written = (out / "modeling_deepseek.py").read_text()
+    assert "expert-parallel" in _banner(written) and [name for name in EP_NAMES if name not in written] == []
+    vendored = tmp_path / "vendor" / "modeling_deepseek.py"
+    vendored.parent.mkdir()
+    vendored.write_text(written)
+    code, _, err = run_cli(vendored, "--check")
+    assert code == 0, err
+    code, _, err = run_cli(vendored, "--in-place", "--no-expert-parallel")
+    assert code == 1, err
+    assert [name for name in EP_NAMES if name in vendored.read_text()] == []
+
+
+def test_a_file_without_expert_parallelism_refuses_it_naming_the_option(tmp_path_factory):
+    import torch
+
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3"))
+    for call in (model.moe_rewrite_fully_shard, model.moe_rewrite_expert_parallel):
+        with pytest.raises(NotImplementedError, match="rewrite it with --expert-parallel$"):
+            call()
+    with pytest.raises(NotImplementedError, match="rewrite it with --expert-parallel$"):
+        model.moe_rewrite_all_reduce_gradients()
+    moe = next(m for m in model.modules() if callable(getattr(m, "moe_train", None)))
+    moe.ep_size = 2  # what a config with ep_size = 2 gives the layer
+    x, ids = torch.randn(3, model.config.hidden_size), torch.zeros(3, 1, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="rewrite it with --expert-parallel$"):
+        moe.moe_train(x, ids, torch.ones(3, 1))

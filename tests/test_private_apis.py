@@ -245,7 +245,7 @@ def test_pretrained_models_name_their_decoder_layers_in_no_split_modules(tmp_pat
     FSDP2 unit: the stand-ins (like the published files) name their decoder layers there."""
     from conftest import build_model, patched_checkpoint
 
-    model = build_model(patched_checkpoint(tmp_path_factory, "v3"))
+    model = build_model(patched_checkpoint(tmp_path_factory, "v3", "--expert-parallel"))
     names = set(model._no_split_modules)
     assert {type(m).__name__ for m in model.model.layers} <= names
 

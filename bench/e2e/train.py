@@ -3,8 +3,8 @@
 
     torchrun --nproc-per-node 2 bench/e2e/train.py --ckpt PATCHED_DIR --impl moe-rewrite --fsdp fsdp2 --out row.json
 
-`--ep N` (with fsdp2) trains under expert parallelism, ep_size N: the same initial weights (the whole model's, each
-rank loading its experts), FSDP2 through the model's moe_rewrite_fully_shard().
+`--ep N` (with fsdp2, and a file rewritten with --expert-parallel) trains under expert parallelism, ep_size N: the same
+initial weights (the whole model's, each rank loading its experts), FSDP2 through the model's moe_rewrite_fully_shard().
 
 One run = one implementation (the patched file decides: rewritten with `--backend loop` for the naive-loop baseline,
 with the defaults for moe-rewrite) and one FSDP flavour. bench/e2e/run.sh runs all four and writes the table.

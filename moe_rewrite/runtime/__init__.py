@@ -121,6 +121,7 @@ SECTION_LIST = (
         "expert_parallel_model",
         "parallel",
         "the model under expert parallelism: its groups, FSDP2 on two meshes, gradients",
+        feature="expert-parallel",
     ),
     Entry(
         "expert_parallel_checkpoint",

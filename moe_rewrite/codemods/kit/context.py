@@ -131,6 +131,8 @@ class Context:
         second run is a no-op); where the caller asked for fused experts, the file is refused."""
         if self.options.fuse_experts:
             raise RewriteError(f"{why}; rewrite with --no-fuse-experts")
+        if self.options.expert_parallel:
+            raise RewriteError(f"{why}; expert parallelism needs fused experts: rewrite without --expert-parallel")
         if self.options.fuse_experts is None:
             chosen = dataclasses.replace(self.options, fuse_experts=False)
             # what the sections are rendered with: the options dict, and the features they generate

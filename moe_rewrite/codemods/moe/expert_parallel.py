@@ -23,7 +23,9 @@ initialized and that ep divides the world size and the number of experts: the pu
 held. Changed only where the branch holds exactly that assert and that assignment (compared as syntax trees), sets
 `self.ep_size = config.ep_size`, reads no other rank or world size in __init__, and `dist` is the file's
 `import torch.distributed as dist`; otherwise __init__ stays as published (ep_size must equal the world size there)
-and the summary says why. The ESFT form keeps it too: its own moe_ep exchanges rows over the whole world.
+and the summary says why (with --expert-parallel; without it, ep_size > 1 is refused at the first forward). The ESFT
+form keeps it too: its own moe_ep exchanges rows over the whole world. Done with or without --expert-parallel, so that
+a rewrite with it and one without differ only in the generated block and the banner.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import libcst.matchers as m
 from moe_rewrite.codemods.kit import MARK, Context, Field, Form, class_methods, code, one_line, replace, top_classes
 from moe_rewrite.codemods.kit.index import Index
 from moe_rewrite.codemods.kit.prove import same
+from moe_rewrite.render import features
 
 READS: tuple[Field, ...] = ("moe",)
 PROVIDES: tuple[Field, ...] = ()
@@ -168,6 +171,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         new_init, why = _edited(init, branches[0], params[1].name.value, module, context.index)
         if new_init is not None:
             return replace(module, init, new_init)
+    if "expert-parallel" not in features(context.options):
+        return module  # said only where expert parallelism is generated: elsewhere ep_size > 1 is refused anyway
     where = f"{context.moe_class().name}.__init__"
     context.chosen.append(f"expert parallelism: {where} left as published (ep_size must equal the world size): {why}")
     return module

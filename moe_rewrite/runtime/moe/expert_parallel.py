@@ -1,6 +1,8 @@
 """Expert parallelism (config.ep_size = ep > 1): each rank of an expert-parallel group of ep ranks holds E / ep of every
 MoE layer's routed experts, fused; a token's rows go to the ranks holding its experts and come back through
-torch.distributed's all-to-all, with autograd. Always generated.
+torch.distributed's all-to-all, with autograd. Generated with --expert-parallel (the "expert-parallel" feature), else
+_moe_rewrite_no_expert_parallel's refusal in its place; always generated: _moe_rewrite_ep_rank (the MoE __init__'s
+ep branch calls it, codemods/moe/expert_parallel.py) and the helpers at the end of this docstring.
 
 Groups are blocks of ep consecutive ranks (rank r is expert-parallel rank r % ep and holds experts
 [r % ep * E / ep, (r % ep + 1) * E / ep)): the inner dimension of a (world / ep, ep) DeviceMesh, which
@@ -26,8 +28,6 @@ from .expert_output import _MoeRewriteCombine
 from .grouped_linear import _MoeRewriteGather
 from .route import _moe_rewrite_combine, _moe_rewrite_route, _moe_rewrite_unsort
 
-_moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
-
 
 def _moe_rewrite_ep_rank(config):
     """This rank's place in its expert-parallel group (rank % config.ep_size): the MoE layer's __init__ builds experts
@@ -48,6 +48,11 @@ def _moe_rewrite_ep_rank(config):
     return dist.get_rank() % ep
 
 
+# generated with: expert-parallel
+_moe_rewrite_ep_cache = {}  # ep_size -> (this rank's expert-parallel group, its expert-data-parallel group)
+
+
+# generated with: expert-parallel
 def _moe_rewrite_ep_groups(ep):
     """(expert-parallel group, expert-data-parallel group) of this rank in the default layout (module docstring),
     made on first use: every rank makes every group, in one order."""
@@ -62,6 +67,7 @@ def _moe_rewrite_ep_groups(ep):
     return _moe_rewrite_ep_cache[ep]
 
 
+# generated with: expert-parallel
 def _moe_rewrite_ep_group(moe):
     """The MoE layer's expert-parallel process group: the one Model.moe_rewrite_expert_parallel gave it, else the
     default layout's."""
@@ -115,6 +121,15 @@ def _moe_rewrite_run_experts(moe, x, topk_ids, topk_weight, out_dtype):
     experts, wrappers = _moe_rewrite_unwrap(outer)
     run = outer.__dict__.get("moe_rewrite_run") or experts.moe_rewrite_run
     return run(x, topk_ids, topk_weight, out_dtype, wrappers)
+
+
+# generated without: expert-parallel
+def _moe_rewrite_no_expert_parallel(*args, **kwargs):
+    """Expert parallelism's entry points in a file rewritten without it: one line saying how to get it."""
+    raise NotImplementedError(
+        "moe-rewrite: this file was rewritten without expert parallelism (ep_size > 1, moe_rewrite_fully_shard, "
+        "moe_rewrite_expert_parallel, moe_rewrite_all_reduce_gradients): rewrite it with --expert-parallel"
+    )
 
 
 # generated with: expert-parallel

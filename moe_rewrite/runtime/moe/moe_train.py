@@ -15,7 +15,12 @@ from ..kernels.dispatch import (
 )
 from .backends import _moe_rewrite_experts_cast, _moe_rewrite_loop, _moe_rewrite_sonicmoe_experts
 from .expert_output import _moe_rewrite_is_silu, _MoeRewriteCombine, _MoeRewriteExpertOutput, _MoeRewriteSwiGLU
-from .expert_parallel import _moe_rewrite_expert_parallel, _moe_rewrite_fsdp2_unit, _moe_rewrite_run_experts
+from .expert_parallel import (
+    _moe_rewrite_expert_parallel,
+    _moe_rewrite_fsdp2_unit,
+    _moe_rewrite_no_expert_parallel,
+    _moe_rewrite_run_experts,
+)
 from .grouped_linear import _moe_rewrite_linear, _MoeRewriteGather, _MoeRewriteGatherPlan
 from .route import _moe_rewrite_combine, _moe_rewrite_padding, _moe_rewrite_route, _moe_rewrite_unsort
 
@@ -102,9 +107,7 @@ class MoE:
             return _moe_rewrite_expert_parallel(self, x, topk_ids, topk_weight, out_dtype)
         # generated without: expert-parallel
         if getattr(self, "ep_size", 1) > 1:
-            raise NotImplementedError(
-                "moe-rewrite: expert parallelism needs the routed experts fused (rewrite without --no-fuse-experts)"
-            )
+            _moe_rewrite_no_expert_parallel()
         if getattr(getattr(self, "config", None), "pretraining_tp", 1) > 1:  # V1 experts: slices, another rounding
             raise NotImplementedError("moe-rewrite: moe_train does not support pretraining_tp > 1 (set it to 1)")
         if _moe_rewrite_fsdp2_unit(self.experts):  # gathered around its moe_rewrite_run

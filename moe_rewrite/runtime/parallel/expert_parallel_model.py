@@ -1,6 +1,7 @@
 """The model's side of expert parallelism (expert_parallel.py has the layers'): which group each layer exchanges rows
 in, FSDP2 on the two meshes, gradients without FSDP (whole checkpoints from the ranks' shares:
-expert_parallel_checkpoint.py). Always generated.
+expert_parallel_checkpoint.py). Generated with --expert-parallel (the "expert-parallel" feature); without it,
+expert_parallel_checkpoint.py's stand-ins for the entry points refuse.
 
     torchrun --nproc-per-node 8 train.py, where train.py does
         torch.distributed.init_process_group()
