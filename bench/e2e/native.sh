@@ -32,7 +32,13 @@ for row in $ROWS; do
   extra=()
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-native/$impl"); fi
-  python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" --seq "$seq" --steps "${STEPS:-8}" \
-    --compile "$compile" --out "$OUT/$name.json" "${extra[@]}" 2>&1 | grep -v "Warning\|warn(" || echo "row $row failed"
+  timeout "${ROW_TIMEOUT:-600}" python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" \
+    --seq "$seq" --steps "${STEPS:-8}" --compile "$compile" --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
+    grep -v "Warning\|warn(" || echo "row $row failed"
+  if [ ! -f "$OUT/$name.json" ]; then  # killed (ROW_TIMEOUT, out of memory): the row still says so
+    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")
+    printf '{"impl": "%s", "mode": "%s", "seq": "%sx%s", "compile": "%s", "error": "no result (timeout %ss or killed)"}\n' \
+      "$label" "$mode" "$batch" "$seq" "$compile" "${ROW_TIMEOUT:-600}" >"$OUT/$name.json"
+  fi
 done
 python3 bench/e2e/native_report.py "$OUT"/native_*.json
