@@ -28,6 +28,7 @@ from moe_rewrite.codemods.model import (
     packing,
     rmsnorm,
     rope,
+    rope_tables,
 )
 from moe_rewrite.codemods.moe import expert_layout, expert_mlp, expert_parallel, gate, moe_forward, no_aux_loss
 from moe_rewrite.errors import InternalError, NotMoeFileError, Refusals, RewriteError
@@ -48,6 +49,7 @@ CODEMODS: list[Codemod] = [
     rope,
     gradient_checkpointing,
     init_weights,
+    rope_tables,
     moe_forward,
     expert_mlp,
     gate,

@@ -10,6 +10,11 @@ rewritten file in --ckpt (a directory the CLI wrote: code + config). Weights: na
 loaded into the rewritten model (fused experts: the same key names; per-expert layouts get them split), so the first
 losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False), random
 token ids from a fixed seed; the time is the median of the steps after --warmup. bench/e2e/native.sh runs every row.
+
+--compile layers: `layer.compile()` on each decoder layer (what a user adds in one line; PEFT's base model's layers
+under LoRA); model: `torch.compile(model)`; both with the default inductor backend. The row records the first step's
+time (compilation included), the graphs traced and the graph breaks dynamo counted, and whether steps after the
+warmup traced again. A row that fails records its error (type and first line) instead of timings.
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ def file_model(ckpt: str, sizes: dict, device: str) -> tuple[torch.nn.Module, st
     return model, model.config._attn_implementation
 
 
+def label(args) -> str:
+    return args.impl if args.compile == "none" else f"{args.impl} compiled-{args.compile}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", required=True, help="native, native-liger, or a label for the file in --ckpt")
@@ -147,10 +156,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--profile", help="write a kernel-time table of the last two steps to this file")
+    parser.add_argument("--compile", choices=["none", "layers", "model"], default="none")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    try:
+        run(args)
+    except Exception as error:  # the row says how it failed; the next row still runs
+        import traceback
 
+        traceback.print_exc()
+        message = (str(error).strip().splitlines() or [""])[0][:300]
+        row = dict(impl=label(args), mode=args.mode, seq=f"{args.batch}x{args.seq}", compile=args.compile)
+        row["error"] = f"{type(error).__name__}: {message}"
+        print(json.dumps(row))
+        with open(args.out, "w") as f:
+            json.dump(row, f)
+
+
+def graph_counts() -> tuple[int, int]:
+    """(graphs traced, graph breaks) so far in this process, from dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def run(args) -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -168,6 +200,13 @@ def main() -> None:
         lora = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_MODULES, target_parameters=LORA_PARAMETERS)
         model = get_peft_model(model, lora).to(torch.bfloat16)
     model.train()
+    forward = model
+    if args.compile == "layers":
+        base = model.base_model.model if args.mode == "lora" else model
+        for layer in base.model.layers:
+            layer.compile(backend=args.backend)
+    elif args.compile == "model":
+        forward = torch.compile(model, backend=args.backend)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=0.0, fused=cuda)
 
@@ -181,7 +220,7 @@ def main() -> None:
         ids = torch.randint(0, sizes["vocab_size"], (args.batch, args.seq), generator=g).to(device)
         sync()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,7 +228,10 @@ def main() -> None:
         losses.append(loss.item())
         return time.perf_counter() - start
 
-    times = [step(i) for i in range(args.steps)]
+    times, graphs = [], []
+    for i in range(args.steps):
+        times.append(step(i))
+        graphs.append(graph_counts())
     if args.profile:  # two more steps, profiled, left out of the timing
         kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[kind]) as profiler:
@@ -200,8 +242,13 @@ def main() -> None:
             f.write(f"{args.impl} {args.mode} {args.batch}x{args.seq}, 2 steps after the timed ones\n{table}\n")
     step_s = statistics.median(times[args.warmup :])
     row = dict(
-        impl=args.impl,
+        impl=label(args),
         mode=args.mode,
+        compile=args.compile,
+        first_step_s=round(times[0], 2),
+        graphs=graphs[-1][0],
+        graph_breaks=graphs[-1][1],
+        traced_after_warmup=graphs[-1][0] - graphs[args.warmup - 1][0] if args.warmup else None,
         seq=f"{args.batch}x{args.seq}",
         tokens_per_s=round(args.batch * args.seq / step_s),
         step_s=round(step_s, 4),

@@ -2,8 +2,8 @@
 # Issue #34's end-to-end rows on one GPU (bench/e2e/native.py), from the repository root on the GPU machine:
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/native.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
-# ROWS picks rows ("impl:mode:batch:seq ..."); OPTOUTS are the options of the "published-attention" file (every
-# whole-model rewrite off, the MoE rewrite kept); PROFILE=1 writes kernel tables. libcst, peft and Liger come from
+# ROWS picks rows ("impl:mode:batch:seq[:compile] ...", compile none, layers or model: native.py --compile); OPTOUTS
+# are the options of the "published-attention" file (every whole-model rewrite off, the MoE rewrite kept); PROFILE=1 writes kernel tables. libcst, peft and Liger come from
 # the wheels in .whl/ (installed into /tmp/site); the device's own torch and transformers run everything.
 set -euo pipefail
 OUT=${OUT:-bench/out}
@@ -14,20 +14,31 @@ src=/tmp/e2e-native/src
 rm -rf /tmp/e2e-native && mkdir -p "$src"
 cp fixtures/deepseek_v3/config.json fixtures/deepseek_v3/configuration_deepseek.py "$src/"
 cp "${MODELING:-fixtures/deepseek_v3/modeling_deepseek.py}" "$src/modeling_deepseek.py"
-python3 -m moe_rewrite "$src" --out /tmp/e2e-native/moe-rewrite
-python3 -m moe_rewrite "$src" --out /tmp/e2e-native/published-attention ${OPTOUTS:---no-sdpa}
-python3 -m moe_rewrite "$src" --out /tmp/e2e-native/naive-loop --backend loop --no-fuse-experts ${OPTOUTS:---no-sdpa}
 ROWS=${ROWS:-"native:full:2:4096 native-liger:full:2:4096 moe-rewrite:full:2:4096 published-attention:full:2:4096
 naive-loop:full:2:4096 native:lora:2:4096 native-liger:lora:2:4096 moe-rewrite:lora:2:4096
 published-attention:lora:2:4096 native:full:1:8192 native-liger:full:1:8192 moe-rewrite:full:1:8192
 published-attention:full:1:8192"}
+python3 -m moe_rewrite "$src" --out /tmp/e2e-native/moe-rewrite
+if [[ $ROWS == *published-attention* ]]; then
+  python3 -m moe_rewrite "$src" --out /tmp/e2e-native/published-attention ${OPTOUTS:---no-sdpa}
+fi
+if [[ $ROWS == *naive-loop* ]]; then
+  python3 -m moe_rewrite "$src" --out /tmp/e2e-native/naive-loop --backend loop --no-fuse-experts ${OPTOUTS:---no-sdpa}
+fi
 for row in $ROWS; do
-  IFS=: read -r impl mode batch seq <<<"$row"
-  name="native_${impl}_${mode}_${batch}x${seq}"
+  IFS=: read -r impl mode batch seq compile <<<"$row"
+  compile=${compile:-none}
+  name="native_${impl}_${mode}_${batch}x${seq}$([ "$compile" = none ] || echo "_compiled-$compile")"
   extra=()
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-native/$impl"); fi
-  python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" --seq "$seq" --steps "${STEPS:-8}" \
-    --out "$OUT/$name.json" "${extra[@]}" 2>&1 | grep -v "Warning\|warn(" || echo "row $row failed"
+  timeout "${ROW_TIMEOUT:-600}" python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" \
+    --seq "$seq" --steps "${STEPS:-8}" --compile "$compile" --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
+    grep -v "Warning\|warn(" || echo "row $row failed"
+  if [ ! -f "$OUT/$name.json" ]; then  # killed (ROW_TIMEOUT, out of memory): the row still says so
+    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")
+    printf '{"impl": "%s", "mode": "%s", "seq": "%sx%s", "compile": "%s", "error": "no result (timeout %ss or killed)"}\n' \
+      "$label" "$mode" "$batch" "$seq" "$compile" "${ROW_TIMEOUT:-600}" >"$OUT/$name.json"
+  fi
 done
 python3 bench/e2e/native_report.py "$OUT"/native_*.json

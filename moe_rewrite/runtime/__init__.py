@@ -172,6 +172,7 @@ SECTION_LIST = (
         "RoPE and its backward in Triton where they apply (CUDA); the published RoPE elsewhere",
     ),
     Entry("checkpoint_layer", "model", "gradient_checkpointing_enable() checkpoints the decoder layers"),
+    Entry("rope_tables", "model", "the RoPE modules' table rebuilds kept out of torch.compile's graphs"),
     Entry("compat_cache", "compat", "Cache methods that later transformers releases removed"),
     Entry("compat_rope_scaling", "compat", "config.rope_scaling as the file expects it on transformers 5.x"),
     Entry("compat_generation", "compat", "generation position ids sliced as transformers 4.x passed them"),

@@ -112,6 +112,12 @@ class _MoeRewriteExpertLinears:
         experts = len(weights) // parts
         first = weights[0]
         rows, cols = first.shape
+        if torch.compiler.is_compiling():  # storage offsets break the graph: the stack, which the compiler plans
+            return (
+                torch.stack([weights[p * experts + e] for e in range(experts) for p in range(parts)])
+                .view(experts, parts * rows, cols)
+                .to(dtype)
+            )
         base = first.storage_offset()
         stride = weights[1].storage_offset() - base if experts > 1 else 0
         if (
@@ -157,8 +163,8 @@ def _moe_rewrite_direct_grads(weights):
     `_post_accumulate_grad_hooks` (private; torch has no public query). torch.autograd.grad asking for an expert weight
     needs MOE_REWRITE_DIRECT_GRADS=0. As with any .grad, gradients accumulate.
     """
-    if _moe_rewrite_setting("MOE_REWRITE_DIRECT_GRADS", "1") == "0":
-        return False
+    if _moe_rewrite_setting("MOE_REWRITE_DIRECT_GRADS", "1") == "0" or torch.compiler.is_compiling():
+        return False  # under torch.compile: autograd's (the engine's nodes are not traceable; the graph has one)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
     return all(

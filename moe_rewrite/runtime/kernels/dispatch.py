@@ -3,7 +3,10 @@ the environment variables and the rewrite's options, each decided once per proce
 with route.py, grouped_linear.py, expert_output.py, backends.py, moe_train.py and the triton_*.py kernels).
 
 Every cache of the generated code is a dict named `_moe_rewrite_*_cache`, here: the tests find and clear them by that
-name, as a new process would start with them empty.
+name, as a new process would start with them empty. The decisions torch.compile's graphs read are marked
+torch.compiler.assume_constant_result: a graph takes the decision made at tracing as a constant and guards on no
+cache, so the cache filled by the first call does not make the next one trace again (a compiled layer's
+recomputation under gradient checkpointing included).
 """
 
 import torch
@@ -22,8 +25,10 @@ _moe_rewrite_triton_cache = {}  # "kernels" -> the Triton kernels ({name: jitted
 _moe_rewrite_hopper_cache = {}  # device -> whether it is an sm90 GPU
 # generated with: fp8-experts
 _moe_rewrite_fp8_cache = {}  # device -> its compute capability (FP8 compute: sm89+)
+_moe_rewrite_ops_cache = {}  # custom operator name -> whether torch.ops.moe_rewrite.<name> is registered
 
 
+@torch.compiler.assume_constant_result  # a per-process decision: a constant in compiled graphs
 def _moe_rewrite_setting(name, default):
     """The environment variable `name` (MOE_REWRITE_BACKEND, MOE_REWRITE_TRITON, MOE_REWRITE_TRITON_GEMM, ...), read on
     first use and kept for the process, so that no training step reads the environment."""
@@ -42,6 +47,7 @@ def _moe_rewrite_compute_dtype(x):
     return x.dtype
 
 
+@torch.compiler.assume_constant_result  # a per-process decision: a constant in compiled graphs
 def _moe_rewrite_kernel(device, dtype):
     """The grouped-GEMM kernel for activations on `device` computed in `dtype`: "torch", "sonicmoe" (the whole expert
     MLP where SonicMoE runs it, else "torch"), "grouped_gemm", "sorted" or "loop". Decided on first use per
@@ -104,6 +110,7 @@ def _moe_rewrite_sonicmoe():
     return sonicmoe
 
 
+@torch.compiler.assume_constant_result  # a per-process decision: a constant in compiled graphs
 def _moe_rewrite_hopper(device):
     """Whether `device` is an sm90 GPU (H100, H200): SonicMoE's kernels, and torch._grouped_mm's tile choice
     (_moe_rewrite_padding). Asked once per device and kept for the process (it is asked every step)."""
@@ -180,3 +187,25 @@ def _moe_rewrite_fp8_compute(device, kernels):
             "without --fp8-compute)"
         )
     return True
+
+
+def _moe_rewrite_custom_op(name, schema, impl, fake, backward=None, setup_context=None):
+    """Whether torch.ops.moe_rewrite.<name> is registered, registering it on the first call: `impl` as a custom
+    operator (torch.library.custom_op, torch >= 2.4) with the fake implementation `fake` (the output's shape and
+    dtype from the inputs', for torch.compile's tracing) and, where given, its autograd formula. torch.compile's
+    graphs call the operator as one opaque node: no graph break and no shape that depends on the routing inside; eager
+    code calls `impl`'s own code directly. An operator registered by another copy of this code (a second rewritten
+    file in the process) is used as it is. False on torch < 2.4: compiled graphs break there instead."""
+    if name not in _moe_rewrite_ops_cache:
+        try:
+            getattr(torch.ops.moe_rewrite, name)
+            registered = True
+        except (AttributeError, RuntimeError):
+            registered = hasattr(torch.library, "custom_op")
+            if registered:
+                op = torch.library.custom_op(f"moe_rewrite::{name}", impl, mutates_args=(), schema=schema)
+                op.register_fake(fake)
+                if backward is not None:
+                    op.register_autograd(backward, setup_context=setup_context)
+        _moe_rewrite_ops_cache[name] = registered
+    return _moe_rewrite_ops_cache[name]

@@ -57,7 +57,11 @@ def _moe_rewrite_lm_loss(hidden, weight, labels):
     target = torch.cat([labels[..., 1:], ignored], dim=-1).reshape(-1).to(hidden.device)
     _moe_rewrite_check_targets(target, weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        loss = _MoeRewriteLinearCrossEntropy.apply(hidden, weight, target)
+        if torch.compiler.is_compiling() and _moe_rewrite_loss_op():  # one operator, opaque to the compiler
+            wanted = (hidden.requires_grad, weight.requires_grad)
+            loss = torch.ops.moe_rewrite.linear_cross_entropy(hidden, weight, target, *wanted)[0]
+        else:
+            loss = _MoeRewriteLinearCrossEntropy.apply(hidden, weight, target)
     return loss, (None if torch.compiler.is_compiling() else _MoeRewriteNoLogits())
 
 
@@ -79,33 +83,9 @@ class _MoeRewriteLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target):
-        x = hidden.reshape(-1, hidden.shape[-1])
-        rows, vocab = x.shape[0], weight.shape[0]
-        n = (target != -100).sum().to(torch.float32)  # kept on the device: no synchronisation
-        scale = (1.0 / n).reshape(1)
-        chunk = max(1, MOE_REWRITE_LOSS_CHUNK_BYTES // (vocab * x.element_size()))
-        kernels = _moe_rewrite_cross_entropy_kernel(x.device, x.dtype)
-        total = torch.zeros((), device=x.device, dtype=torch.float32)
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        for start in range(0, rows, chunk):
-            rows_x = x[start : start + chunk]
-            logits = rows_x @ weight.t()
-            if kernels is not None:
-                row_loss = _moe_rewrite_cross_entropy_rows(kernels, logits, target[start : start + chunk], scale)
-            else:
-                row_loss = _moe_rewrite_cross_entropy_torch(logits, target[start : start + chunk], scale)
-            total += row_loss.sum()
-            grad = logits  # overwritten with the gradient of the chunk's logits
-            if grad_x is not None:
-                torch.mm(grad, weight, out=grad_x[start : start + chunk])
-            if ctx.needs_input_grad[1]:  # a frozen lm_head (LoRA) needs no weight gradient
-                grad_w = _moe_rewrite_loss_accumulate(grad_w, grad.t(), rows_x, single=chunk >= rows)
-        ctx.save_for_backward(
-            grad_x.view(hidden.shape) if grad_x is not None else None,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-        )
-        return total / n
+        loss, grad_x, grad_w = _moe_rewrite_loss_and_grads(hidden, weight, target, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -115,6 +95,34 @@ class _MoeRewriteLinearCrossEntropy(torch.autograd.Function):
             grad_w * grad_loss if grad_w is not None else None,
             None,
         )
+
+
+def _moe_rewrite_loss_and_grads(hidden, weight, target, grad_x_wanted, grad_w_wanted):
+    """(loss, the hidden states' gradient or None, the weight's or None) of _MoeRewriteLinearCrossEntropy."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    rows, vocab = x.shape[0], weight.shape[0]
+    n = (target != -100).sum().to(torch.float32)  # kept on the device: no synchronisation
+    scale = (1.0 / n).reshape(1)
+    chunk = max(1, MOE_REWRITE_LOSS_CHUNK_BYTES // (vocab * x.element_size()))
+    kernels = _moe_rewrite_cross_entropy_kernel(x.device, x.dtype)
+    total = torch.zeros((), device=x.device, dtype=torch.float32)
+    grad_x = torch.empty_like(x) if grad_x_wanted else None
+    grad_w = None
+    for start in range(0, rows, chunk):
+        rows_x = x[start : start + chunk]
+        logits = rows_x @ weight.t()
+        if kernels is not None:
+            row_loss = _moe_rewrite_cross_entropy_rows(kernels, logits, target[start : start + chunk], scale)
+        else:
+            row_loss = _moe_rewrite_cross_entropy_torch(logits, target[start : start + chunk], scale)
+        total += row_loss.sum()
+        grad = logits  # overwritten with the gradient of the chunk's logits
+        if grad_x is not None:
+            torch.mm(grad, weight, out=grad_x[start : start + chunk])
+        if grad_w_wanted:  # a frozen lm_head (LoRA) needs no weight gradient
+            grad_w = _moe_rewrite_loss_accumulate(grad_w, grad.t(), rows_x, single=chunk >= rows)
+    grad_x = grad_x.view(hidden.shape) if grad_x is not None else None
+    return total / n, grad_x, grad_w.to(weight.dtype) if grad_w is not None else None
 
 
 class _MoeRewriteNoLogits:
@@ -186,6 +194,50 @@ def _moe_rewrite_loss_accumulate(total, a, b, single):
         except (TypeError, RuntimeError, NotImplementedError):
             _moe_rewrite_lm_loss_cache["out_dtype"] = False
     return total.add_(a @ b)
+
+
+@torch.compiler.assume_constant_result  # run at tracing, not traced: the graph holds only the operator's call
+def _moe_rewrite_loss_op():
+    """Whether torch.ops.moe_rewrite.linear_cross_entropy (loss, grad_x, grad_w) is registered: the loss as a custom
+    operator for torch.compile (torch >= 2.4; eager runs the autograd Function). Traced as the Function, the loop over
+    the chunks would fix the number of tokens in the graph, and every sequence length would compile again. Registered
+    once per process: the first rewritten file loaded registers it, later ones use it."""
+    if "op" not in _moe_rewrite_lm_loss_cache:
+        _moe_rewrite_lm_loss_cache["op"] = _moe_rewrite_register_loss_op()
+    return _moe_rewrite_lm_loss_cache["op"]
+
+
+def _moe_rewrite_register_loss_op():
+    try:
+        torch.ops.moe_rewrite.linear_cross_entropy  # noqa: B018 (registered by another copy of this code)
+        return True
+    except (AttributeError, RuntimeError):
+        pass
+    if not hasattr(torch.library, "custom_op"):
+        return False
+    schema = "(Tensor hidden, Tensor weight, Tensor target, bool grad_x, bool grad_w) -> (Tensor, Tensor, Tensor)"
+
+    def parts(hidden, weight, target, grad_x, grad_w):  # a gradient not asked for: an empty tensor
+        loss, dx, dw = _moe_rewrite_loss_and_grads(hidden, weight, target, grad_x, grad_w)
+        return loss, hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw
+
+    def fake(hidden, weight, target, grad_x, grad_w):
+        dx = torch.empty_like(hidden) if grad_x else hidden.new_empty(0)
+        dw = torch.empty_like(weight) if grad_w else weight.new_empty(0)
+        return hidden.new_empty((), dtype=torch.float32), dx, dw
+
+    def setup_context(ctx, inputs, output):
+        ctx.wanted = inputs[3:5]
+        ctx.save_for_backward(output[1], output[2])
+
+    def backward(ctx, grad_loss, _grad_x, _grad_w):
+        (dx, dw), (want_x, want_w) = ctx.saved_tensors, ctx.wanted
+        return dx * grad_loss if want_x else None, dw * grad_loss if want_w else None, None, None, None
+
+    op = torch.library.custom_op("moe_rewrite::linear_cross_entropy", parts, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=setup_context)
+    return True
 
 
 def _moe_rewrite_cross_entropy_kernel(device, dtype):

@@ -105,6 +105,9 @@ class _MoeRewriteExpertOutput(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return (None, grad_weight, *(None,) * 7, *grads)
         grad_hidden = torch.mul(grad_hidden, row_weight, out=grad_hidden)
+        if silu and torch.compiler.is_compiling():  # out= into halves of a buffer breaks the graph; it fuses these
+            grad_gate = torch.ops.aten.silu_backward(grad_hidden * up, gate)
+            return (torch.cat([grad_gate, grad_hidden * act], dim=-1), grad_weight, *(None,) * 7, *grads)
         # the gate and up gradients written into one buffer (no concatenation)
         grad_gate_up = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)

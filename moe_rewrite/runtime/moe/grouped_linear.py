@@ -13,6 +13,7 @@ block-quantized experts (DeepSeek-V3's checkpoints as shipped), expert_linears.p
 import torch
 
 from ..kernels.dispatch import (
+    _moe_rewrite_custom_op,
     _moe_rewrite_fp8_compute,
     _moe_rewrite_gemm_by_triton,
     _moe_rewrite_grouped_gemm,
@@ -42,6 +43,8 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     else b is dequantized to a's dtype first (a transient copy of the weights) and the GEMM runs on `kernel`; in FP8
     compute (dispatch.py's _moe_rewrite_fp8_compute) _moe_rewrite_fp8_gmm runs it.
     """
+    if torch.compiler.is_compiling() and _moe_rewrite_gmm_op():  # one opaque node of the compiled graph
+        return torch.ops.moe_rewrite.grouped_mm(a, b, offsets, scale, kernel, mode)
     # generated with: fp8-experts
     if scale is not None:
         kernels = _moe_rewrite_triton(a.device, a.dtype)
@@ -99,6 +102,24 @@ def _moe_rewrite_fp8_gmm(kernels, a, b, offsets, mode, scale):
     dtype = torch.promote_types(a.dtype, torch.float32)
     real, weights = _moe_rewrite_dequantize_rows(codes, a_scale, dtype), _moe_rewrite_dequantize(b, scale, dtype)
     return _moe_rewrite_gmm("sorted", real, weights, offsets, mode).to(a.dtype)
+
+
+@torch.compiler.assume_constant_result  # run at tracing, not traced: the graph holds only the operator's call
+def _moe_rewrite_gmm_op():
+    """Whether torch.ops.moe_rewrite.grouped_mm (_moe_rewrite_gmm as a custom operator) is registered. Traced as it
+    is, the grouped GEMM's row counts per expert would become the graph's shapes ("sorted", "grouped_gemm") or break
+    it, and the routing of each step would compile again."""
+
+    def gmm(a, b, offsets, scale, kernel, mode):
+        return _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale)
+
+    def fake(a, b, offsets, scale, kernel, mode):
+        if mode == "wgrad":
+            return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+        return a.new_empty(a.shape[0], b.shape[1] if mode == "fwd" else b.shape[2])
+
+    schema = "(Tensor a, Tensor b, Tensor offsets, Tensor? scale, str kernel, str mode) -> Tensor"
+    return _moe_rewrite_custom_op("grouped_mm", schema, gmm, fake)
 
 
 class _MoeRewriteExpertWeight:
