@@ -307,8 +307,9 @@ def _describe(result: RewriteResult) -> str:
 @click.option(
     "--fp8-compute",
     is_flag=True,
-    help="Run FP8 experts' frozen base on FP8 tensor cores (W8A8: activations quantized per 1 x 128 tile, as "
-    "DeepSeek-V3 trains; faster than bf16 on sm89+ GPUs, within a few percent of its numbers; docs/training.md). "
+    help="Run FP8 experts' frozen base forward GEMMs on FP8 tensor cores (W8A8: activations quantized per 1 x 128 "
+    "tile, as DeepSeek-V3 trains; faster than W8A16 on sm89+ GPUs, within a few percent of its numbers; "
+    "docs/training.md). "
     "Implies --fp8-experts; MOE_REWRITE_FP8_COMPUTE=0/1 overrides it at run time. [default: bf16 compute (W8A16)]",
 )
 @click.option(

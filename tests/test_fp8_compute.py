@@ -71,7 +71,8 @@ def _rel(a, b):
 def test_moe_train_quantizes_each_gemms_rows_and_multiplies_the_codes(monkeypatch):
     """Under MOE_REWRITE_FP8_COMPUTE=1 the forward equals an explicit reference of the W8A8 arithmetic: the gathered
     rows quantized along hidden, gate_up's product, SwiGLU, its rows quantized along intermediate, down's product,
-    the weighted sum; in float64 (the CPU runs it as torch ops, exact products)."""
+    the weighted sum; in float64 (the CPU runs it as torch ops, exact products). The input gradient is the
+    reference's with the quantization passed straight through: the output gradients times the weights' values."""
     moe, ref = fp8_moe()
     moe.moe_rewrite_fuse_experts()
     torch.manual_seed(3)
@@ -79,20 +80,30 @@ def test_moe_train_quantizes_each_gemms_rows_and_multiplies_the_codes(monkeypatc
     x = torch.randn(tokens, HIDDEN, dtype=torch.float64)
     ids, w = routing(tokens, EXPERTS, TOP_K)
     runtime_env(monkeypatch, "MOE_REWRITE_FP8_COMPUTE", "1")
-    y = moe.moe_train(x, ids, w)
+    x_grad = x.clone().requires_grad_(True)
+    y = moe.moe_train(x_grad, ids, w)
+    probe = torch.randn(tokens, HIDDEN, dtype=torch.float64)
+    y.backward(probe)
 
-    def real(rows):
-        codes, scales = quantize_rows(rows)
-        return codes.double() * scales.double().repeat_interleave(128, 1)
+    def real(rows):  # the value its codes hold; in the backward the rows themselves (straight through)
+        codes, scales = quantize_rows(rows.detach())
+        return rows + (codes.double() * scales.double().repeat_interleave(128, 1) - rows).detach()
 
-    want = torch.zeros_like(x)
+    x_ref = x.clone().requires_grad_(True)
+    want = []
     for t in range(tokens):
+        row = torch.zeros(HIDDEN, dtype=torch.float64)
         for j in range(TOP_K):
             expert = ref[int(ids[t, j])]
-            rows = real(x[t : t + 1])
+            rows = real(x_ref[t : t + 1])
             hidden = torch.nn.functional.silu(expert.gate_proj(rows)) * expert.up_proj(rows)
-            want[t] += w[t, j] * expert.down_proj(real(hidden))[0]
+            row = row + w[t, j] * expert.down_proj(real(hidden))[0]
+        want.append(row)
+    want = torch.stack(want)
+    want.backward(probe)
     assert _rel(y, want) < 1e-12
+    # the input gradients multiply the output gradients by the weights' own values (W8A16, not quantized)
+    assert _rel(x_grad.grad, x_ref.grad) < 1e-12
 
 
 @pytest.mark.parametrize("with_lora", [False, True])

@@ -16,9 +16,9 @@ from .triton_block import _moe_rewrite_triton_modules
 MOE_REWRITE_GEMM_TILE = (128, 256, 64, 8, 3)
 MOE_REWRITE_FP8_GEMM_TILE = (128, 128, 64, 4, 3)
 # FP8 compute (W8A8, _moe_rewrite_fp8_compute): the tile of each product, forward and input gradient, its depth one
-# scale block (each block's product is promoted to the float32 sum with its scales); a first guess before
-# bench/bench_fp8.py --sweep measures them
-MOE_REWRITE_FP8_COMPUTE_TILES = {"fwd": (128, 128, 128, 8, 4), "dgrad": (128, 128, 128, 8, 4)}
+# scale block (each block's product is promoted to the float32 sum with its scales); the fastest of
+# bench/fp8_compute_tiles.py's sweep at V3's sizes, 4096 tokens, on an H100 (bench/NOTES.md change 39)
+MOE_REWRITE_FP8_COMPUTE_TILES = {"fwd": (64, 128, 128, 4, 4), "dgrad": (128, 64, 128, 4, 4)}
 # generated with: fp8-experts
 # elsewhere than sm90 (sm89's and sm120's 99 KiB of shared memory per block; not measured): a tile that fits them
 MOE_REWRITE_FP8_COMPUTE_SMALL_TILE = (64, 128, 128, 4, 3)
