@@ -18,9 +18,10 @@ from ..kernels.dispatch import _moe_rewrite_options, _moe_rewrite_setting  # noq
 _moe_rewrite_packing_cache = {}
 MOE_REWRITE_FLEX_BLOCK = 128  # FlexAttention's block: the flattened tokens are padded to a multiple of it
 # Where the longest document holds at least this share of the tokens, SDPA per document (cuDNN's causal kernel over
-# it) beats a document mask over the whole row (bench/packing_probe.py: 7.2 ms flex against 2.7 for one 8192-token
-# document, 1.8 against 7.1 for 14 documents of median 500)
-MOE_REWRITE_LONG_DOCUMENT_SHARE = 0.5
+# it) beats the variable-length kernels over the whole row (bench/packing_probe.py on an H100, 8192 tokens, forward +
+# backward: one document, 2.7 ms per document against 5.8 varlen; one of 6144 and eight of 256, 5.1 against 4.0
+# varlen; 18 log-normal documents, 7.0 against 1.9; bench/NOTES.md change 41)
+MOE_REWRITE_LONG_DOCUMENT_SHARE = 0.9
 
 
 class _MoeRewriteDocuments:
