@@ -305,12 +305,13 @@ def _describe(result: RewriteResult) -> str:
     "rewrite of the file has them; said in the summary]",
 )
 @click.option(
-    "--fp8-compute",
-    is_flag=True,
+    "--fp8-compute/--no-fp8-compute",
+    default=None,
     help="Run FP8 experts' frozen base forward GEMMs on FP8 tensor cores (W8A8: activations quantized per 1 x 128 "
     "tile, as DeepSeek-V3 trains; faster than W8A16 on sm89+ GPUs, within a few percent of its numbers; "
     "docs/training.md). "
-    "Implies --fp8-experts; MOE_REWRITE_FP8_COMPUTE=0/1 overrides it at run time. [default: bf16 compute (W8A16)]",
+    "Implies --fp8-experts; MOE_REWRITE_FP8_COMPUTE=0/1 overrides it at run time. [default: where an earlier rewrite "
+    "of the file has it, else bf16 compute (W8A16)]",
 )
 @click.option(
     "--expert-parallel/--no-expert-parallel",

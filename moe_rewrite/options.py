@@ -31,8 +31,9 @@ class RewriteOptions:
     # them, else not (rewrite.fp8_choice, said in the summary)
     fp8_experts: bool | None = None
     # FP8 experts' grouped GEMMs in FP8 compute (W8A8: rows quantized per 1 x 128 tile, FP8 tensor cores), the default
-    # of the generated code's MOE_REWRITE_FP8_COMPUTE; asks for FP8 experts (rewrite.fp8_choice), refused without them
-    fp8_compute: bool = False
+    # of the generated code's MOE_REWRITE_FP8_COMPUTE; asks for FP8 experts (rewrite.fp8_choice), refused without them;
+    # None: where an earlier rewrite's banner records it, else not (rewrite.fp8_compute_choice)
+    fp8_compute: bool | None = None
     # expert parallelism (runtime/moe/expert_parallel.py, runtime/parallel/): generated where asked, with fused experts
     # only; None, the default: where an earlier rewrite's banner records it, else not (rewrite.expert_parallel_choice)
     expert_parallel: bool | None = None

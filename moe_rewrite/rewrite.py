@@ -136,10 +136,12 @@ def rewrite_source(text: str, options: RewriteOptions | None = None, config: dic
     limit = sys.getrecursionlimit()
     if sys.version_info >= (3, 11):  # libcst walks a long `a + b + ...` chain one frame per term
         sys.setrecursionlimit(max(limit, DEEP_RECURSION))
+    options, compute_line = fp8_compute_choice(options, body)
     options, fp8_line = fp8_choice(options, config, body)
     options, ep_line = expert_parallel_choice(options, body)
     try:
-        new_body, context = _rewrite(body, options, [line for line in (fp8_line, ep_line) if line])
+        lines = [line for line in (fp8_line, compute_line, ep_line) if line]
+        new_body, context = _rewrite(body, options, lines)
         if new_body != body and up_to_date(body, new_body):
             new_body = body
     except RecursionError:
@@ -219,20 +221,33 @@ def _check_syntax(text: str) -> None:
 def fp8_choice(options: RewriteOptions, config: dict | None, text: str) -> tuple[RewriteOptions, str | None]:
     """The options with fp8_experts decided, and the summary line saying why where the file's checkpoint chose them:
     the caller's choice stands; else FP8 experts where config.json's quantization_config asks for FP8 (DeepSeek-V3,
-    R1 and Kimi-K2 as shipped), else where --fp8-compute asks for them, else where an earlier rewrite's banner
-    records them (a vendored file rewritten again without its config), else none."""
+    R1 and Kimi-K2 as shipped), else where an earlier rewrite's banner records them (a vendored file rewritten again
+    without its config), else where --fp8-compute asks for them, else none."""
     if options.fp8_experts is not None:
         return options, None
     settings = (config or {}).get("quantization_config")
     if isinstance(settings, dict) and settings.get("quant_method") == "fp8":
         line = "FP8 experts: generated, as config.json's quantization_config asks (quant_method fp8)"
         return dataclasses.replace(options, fp8_experts=True), line
-    if options.fp8_compute:
-        return dataclasses.replace(options, fp8_experts=True), "FP8 experts: generated, as --fp8-compute asks"
     if re.search(rf"^{re.escape(block.BANNER)} .*\bfp8-experts\b", text, re.M):
         line = "FP8 experts: kept, as the earlier rewrite's banner records them (--no-fp8-experts drops them)"
         return dataclasses.replace(options, fp8_experts=True), line
+    if options.fp8_compute:
+        return dataclasses.replace(options, fp8_experts=True), "FP8 experts: generated, as --fp8-compute asks"
     return dataclasses.replace(options, fp8_experts=False), None
+
+
+def fp8_compute_choice(options: RewriteOptions, text: str) -> tuple[RewriteOptions, str | None]:
+    """The options with fp8_compute decided, and the summary line saying why where the file chose it: the caller's
+    choice stands; else FP8 compute where an earlier rewrite's banner records it and FP8 experts are not refused (a
+    second run keeps it), else bf16 compute."""
+    if options.fp8_compute is not None:
+        return options, None
+    banner = re.search(rf"^{re.escape(block.BANNER)} .*\bfp8-compute\b", text, re.M)
+    if banner and options.fp8_experts is not False:
+        line = "FP8 compute: kept, as the earlier rewrite's banner records it (--no-fp8-compute drops it)"
+        return dataclasses.replace(options, fp8_compute=True), line
+    return dataclasses.replace(options, fp8_compute=False), None
 
 
 def expert_parallel_choice(options: RewriteOptions, text: str) -> tuple[RewriteOptions, str | None]:

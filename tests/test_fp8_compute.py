@@ -158,6 +158,15 @@ def test_the_option_asks_for_fp8_experts_and_is_said_in_the_banner_and_the_optio
     )
     with pytest.raises(RewriteError, match="--fp8-compute .* cannot go with --no-fp8-experts"):
         RewriteOptions(fp8_compute=True, fp8_experts=False)
+    # a second run keeps what the banner records, saying so; --no-fp8-compute drops it (the FP8 experts stay)
+    again = rewrite_source(result.text)
+    assert again.text == result.text and again.options.fp8_compute
+    assert again.chosen == (
+        "FP8 experts: kept, as the earlier rewrite's banner records them (--no-fp8-experts drops them)",
+        "FP8 compute: kept, as the earlier rewrite's banner records it (--no-fp8-compute drops it)",
+    )
+    dropped = rewrite_source(result.text, RewriteOptions(fp8_compute=False))
+    assert '"fp8_compute": 1' not in dropped.text and "def _moe_rewrite_fp8_gmm(" in dropped.text
 
 
 def test_the_cli_refuses_fp8_compute_without_fp8_experts(capsys):
@@ -213,3 +222,25 @@ def test_fp8_compute_refuses_gpus_without_fp8_tensor_cores(monkeypatch, capabili
     assert asked == [gpu]
     runtime_env(monkeypatch, "MOE_REWRITE_FP8_COMPUTE", "0")
     assert not dispatch._moe_rewrite_fp8_compute(gpu, kernels)
+
+
+def test_an_input_width_off_the_128_grid_runs_w8a16(monkeypatch):
+    """FP8 compute quantizes whole 1 x 128 tiles of the rows: a projection 192 wide (a partial last scale block, which
+    FP8 experts load) runs the W8A16 arithmetic under MOE_REWRITE_FP8_COMPUTE=1, the dequantized weights' product
+    exactly, where the W8A8 path would fail on the partial tile; a 256-wide one is quantized."""
+    from moe_rewrite.runtime.moe import grouped_linear
+
+    runtime_env(monkeypatch, "MOE_REWRITE_FP8_COMPUTE", "1")
+    generator = torch.Generator().manual_seed(5)
+    offsets = torch.tensor([3, 7], dtype=torch.int32)
+    for width, quantized in ((192, False), (256, True)):
+        codes = (torch.randn(2, 128, width, generator=generator) * 100).clamp(-FP8_MAX, FP8_MAX)
+        codes = codes.to(torch.float8_e4m3fn)
+        scale = torch.rand(2, 1, -(-width // 128), generator=generator, dtype=torch.float64) + 0.5
+        rows = torch.randn(7, width, generator=generator, dtype=torch.float64)
+        got = grouped_linear._moe_rewrite_gmm("sorted", rows, codes, offsets, "fwd", scale)
+        weights = grouped_linear._moe_rewrite_dequantize(codes, scale, torch.float64)
+        w8a16 = torch.cat([rows[:3] @ weights[0].t(), rows[3:] @ weights[1].t()])
+        assert torch.equal(got, w8a16) != quantized, width
+        if quantized:
+            assert _rel(got, w8a16) < 0.1

@@ -193,6 +193,25 @@ def test_position_ids_rebound_after_the_mask_leave_the_model_as_published():
     assert any("packing" in str(n) and "rebound" in str(n) for n in result.notes)
 
 
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("loss_fct = CrossEntropyLoss()", 'loss_fct = CrossEntropyLoss(reduction="sum")'),
+        ("loss = loss_fct(shift_logits, shift_labels)", "loss = loss_fct(shift_logits, shift_labels) / 2"),
+    ],
+    ids=["sum", "scaled"],
+)
+def test_a_loss_not_the_published_mean_gets_no_num_items_in_batch(old, new):
+    """num_items_in_batch turns the published mean into a sum over the Trainer's count: a loss of another form (a
+    sum, a scaled mean, transformers' loss_function that divides by it already) would be divided twice, so the
+    ForCausalLM is left as published with a line saying why, and the Model still takes packed batches."""
+    source = (FORM_DIRS["v3"] / "modeling_deepseek.py").read_text()
+    assert source.count(old) == 1
+    result = rewrite_source(source.replace(old, new), RewriteOptions())
+    assert "= _moe_rewrite_items_loss(" not in result.text and "position_ids=position_ids" in result.text
+    assert any("ForCausalLM" in str(n) and "num_items_in_batch not taken" in str(n) for n in result.notes)
+
+
 def _reference(q, k, v, ids):
     """Per document causal attention in float64."""
     q, k, v = q.double(), k.double(), v.double()

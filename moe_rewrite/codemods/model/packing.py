@@ -45,6 +45,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, Note, class_methods, code, replace, top_classes
+from moe_rewrite.codemods.model import lm_loss
+from moe_rewrite.codemods.model.branch import unbranched
 
 READS: tuple[Field, ...] = ("notes",)
 PROVIDES: tuple[Field, ...] = ("notes",)
@@ -131,11 +133,19 @@ def _model_call(forward: cst.FunctionDef) -> int | str:
     return calls[0]
 
 
-def _loss_end(forward: cst.FunctionDef) -> int | str:
-    """The index after the last top-level statement binding `loss`, or why the items loss may not go there."""
+def _loss_end(forward: cst.FunctionDef, module: cst.Module) -> int | str:
+    """The index after the last top-level statement binding `loss`, or why the items loss may not go there: only
+    after the published loss (lm_loss's proof, on the forward with its fused-loss branch taken back), the mean over
+    the labels that num_items_in_batch turns into a sum; a loss of another form (transformers' loss_function, which
+    divides by num_items_in_batch itself, a sum) is left as it is."""
     params = {p.name.value for p in [*forward.params.params, *forward.params.kwonly_params]}
     if "labels" not in params:
         return "its forward has no `labels` parameter"
+    region = lm_loss._find_region(unbranched(forward, lm_loss.NOTE, lm_loss.OUR_CALL), module)
+    if isinstance(region, str):
+        return f"num_items_in_batch not taken: its loss is not the published one ({region})"
+    if (region.bound["LOSS"], region.bound["Y"]) != ("loss", "labels"):
+        return "num_items_in_batch not taken: its loss and labels are not named `loss` and `labels`"
     body = _body(forward)
     binds = [i for i, s in enumerate(body) if "loss" in _names(s, True)]
     if not binds:
@@ -259,7 +269,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         forward = class_methods(cls).get("forward")
         if not name.endswith("ForCausalLM") or forward is None or _model_class(cls) not in models:
             continue
-        at, end = _model_call(forward), _loss_end(forward)
+        at, end = _model_call(forward), _loss_end(forward, module)
         why = at if isinstance(at, str) else end if isinstance(end, str) else None
         if why is not None:
             notes.append(Note(CONCERN, name, False, why))

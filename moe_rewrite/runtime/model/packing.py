@@ -52,7 +52,7 @@ def _moe_rewrite_documents(config, mask, position_ids, packed, shape, past_lengt
     """The batch's documents where it is packed, else None: the collator's `cu_seq_lens_q` (with `cu_seq_lens_k`
     equal), or position ids restarting inside a row (a position not one more than the one before it), as
     transformers finds packed rows for its own models: only with no attention mask and no cache, and not when
-    opted out. One host sync (the boundaries), as the all-ones mask test has."""
+    opted out. One host sync (the boundaries) per forward without an attention mask, unpacked batches included."""
     rows, length = shape
     packed = packed or {}
     if mask is not None or past_length != 0 or length < 2 or not _moe_rewrite_packing_enabled(config):

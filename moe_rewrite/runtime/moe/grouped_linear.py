@@ -50,7 +50,8 @@ def _moe_rewrite_gmm(kernel, a, b, offsets, mode, scale=None):
     # generated with: fp8-experts
     if scale is not None:
         kernels = _moe_rewrite_triton(a.device, a.dtype)
-        if mode == "fwd" and _moe_rewrite_fp8_compute(a.device, kernels):
+        # FP8 compute quantizes whole 1 x 128 tiles of a's rows: an input width off the grid runs W8A16
+        if mode == "fwd" and a.shape[1] % 128 == 0 and _moe_rewrite_fp8_compute(a.device, kernels):
             return _moe_rewrite_fp8_gmm(kernels, a, b, offsets, mode, scale)
         n, k = (b.shape[1], b.shape[2]) if mode == "fwd" else (b.shape[2], b.shape[1])
         fits = kernels is not None and _moe_rewrite_gemm_fits(n, k, scaled=True)
