@@ -325,7 +325,9 @@ def test_generated_loading_methods_are_removed_from_every_model_base_class(tmp_p
     with pytest.raises(RewriteError, match="one PreTrainedModel subclass, found 2; rewrite with --no-fuse-experts"):
         rewrite_source(two_bases, RewriteOptions(fuse_experts=True))
     chosen = rewrite_source(two_bases, RewriteOptions())
-    assert chosen.options == RewriteOptions(fuse_experts=False, fp8_experts=False, expert_parallel=False)
+    assert chosen.options == RewriteOptions(
+        fuse_experts=False, fp8_experts=False, fp8_compute=False, expert_parallel=False
+    )
     assert chosen.chosen == (
         "experts: per-expert nn.Linear, as with --no-fuse-experts (fused-experts loading needs one PreTrainedModel "
         "subclass, found 2)",
