@@ -241,26 +241,29 @@ def fp8_compute_choice(options: RewriteOptions, text: str) -> tuple[RewriteOptio
     """The options with fp8_compute decided, and the summary line saying why where the file chose it: the caller's
     choice stands; else FP8 compute where an earlier rewrite's banner records it and FP8 experts are not refused (a
     second run keeps it), else bf16 compute."""
-    if options.fp8_compute is not None:
-        return options, None
-    banner = re.search(rf"^{re.escape(block.BANNER)} .*\bfp8-compute\b", text, re.M)
-    if banner and options.fp8_experts is not False:
-        line = "FP8 compute: kept, as the earlier rewrite's banner records it (--no-fp8-compute drops it)"
-        return dataclasses.replace(options, fp8_compute=True), line
-    return dataclasses.replace(options, fp8_compute=False), None
+    line = "FP8 compute: kept, as the earlier rewrite's banner records it (--no-fp8-compute drops it)"
+    return _kept_from_banner(options, "fp8_compute", text, options.fp8_experts is not False, line)
 
 
 def expert_parallel_choice(options: RewriteOptions, text: str) -> tuple[RewriteOptions, str | None]:
     """The options with expert_parallel decided, and the summary line saying why where the file chose it: the caller's
     choice stands; else expert parallelism where an earlier rewrite's banner records it (a second run keeps it), else
     none."""
-    if options.expert_parallel is not None:
+    line = "expert parallelism: kept, as the earlier rewrite's banner records it (--no-expert-parallel drops it)"
+    return _kept_from_banner(options, "expert_parallel", text, options.fuse_experts is not False, line)
+
+
+def _kept_from_banner(
+    options: RewriteOptions, field: str, text: str, possible: bool, line: str
+) -> tuple[RewriteOptions, str | None]:
+    """`field` (an opt-in whose name, dashed, RewriteOptions.describe writes into the banner) decided: the caller's
+    value stands; else on, with `line`, where an earlier rewrite's banner names it and it is `possible`; else off."""
+    if getattr(options, field) is not None:
         return options, None
-    banner = re.search(rf"^{re.escape(block.BANNER)} .*\bexpert-parallel\b", text, re.M)
-    if banner and options.fuse_experts is not False:
-        line = "expert parallelism: kept, as the earlier rewrite's banner records it (--no-expert-parallel drops it)"
-        return dataclasses.replace(options, expert_parallel=True), line
-    return dataclasses.replace(options, expert_parallel=False), None
+    feature = field.replace("_", "-")
+    if possible and re.search(rf"^{re.escape(block.BANNER)} .*\b{feature}\b", text, re.M):
+        return dataclasses.replace(options, **{field: True}), line
+    return dataclasses.replace(options, **{field: False}), None
 
 
 def _rewrite(text: str, options: RewriteOptions, chosen: list[str]) -> tuple[str, Context]:
