@@ -27,7 +27,7 @@ from bench_fp8 import CONFIGS, quantize  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
 from moe_rewrite.runtime.kernels import dispatch, triton_gemm  # noqa: E402
-from moe_rewrite.runtime.moe import grouped_linear  # noqa: E402
+from moe_rewrite.runtime.moe import grouped_mm  # noqa: E402
 
 # (BM, BN, BK, warps, stages); BK divides 128 (a scale block): 128 promotes once per block
 TILES = [
@@ -64,7 +64,7 @@ def main():
             "gate_up": quantize(torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02),
             "down": quantize(torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02),
         }
-        real = {k: grouped_linear._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
+        real = {k: grouped_mm._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
         for tokens in map(int, args.tokens.split(",")):
             _, ids, _, _ = b.routings(dict(CONFIGS[name], N=tokens), "cuda", seed=1)[0]
             counts = torch.bincount(ids.flatten(), minlength=e)
@@ -74,7 +74,7 @@ def main():
                 depth = codes.shape[2] if mode == "fwd" else codes.shape[1]
                 a = torch.randn(int(counts.sum()), depth, device="cuda").to(torch.bfloat16)
                 a_codes, a_scales = triton_gemm._moe_rewrite_quantize_rows(kernels, a)
-                want = grouped_linear._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
+                want = grouped_mm._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
                 w = real[which] if mode == "dgrad" else real[which].transpose(1, 2)
                 variants = {
                     "bf16 torch": functools.partial(torch._grouped_mm, a, w, offs=offsets),

@@ -33,7 +33,7 @@ from bench_fp8 import CONFIGS, quantize  # noqa: E402
 from gemm_tiles import time_variants  # noqa: E402
 
 from moe_rewrite.runtime.kernels import dispatch, triton_gemm  # noqa: E402
-from moe_rewrite.runtime.moe import grouped_linear  # noqa: E402
+from moe_rewrite.runtime.moe import grouped_mm  # noqa: E402
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def main():
             "gate_up": quantize(torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02),
             "down": quantize(torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02),
         }
-        real = {k: grouped_linear._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
+        real = {k: grouped_mm._moe_rewrite_dequantize(*q, torch.bfloat16) for k, q in quantized.items()}
         _, ids, _, _ = b.routings(cfg, "cuda", seed=1)[0]
         counts = torch.bincount(ids.flatten(), minlength=e)
         offsets = counts.cumsum(0).to(torch.int32)
@@ -154,7 +154,7 @@ def main():
             codes, scales = quantized[which]
             a = torch.randn(int(counts.sum()), codes.shape[2] if mode == "fwd" else codes.shape[1], device="cuda")
             a = a.to(torch.bfloat16)
-            want = grouped_linear._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
+            want = grouped_mm._moe_rewrite_gmm("torch", a, real[which], offsets, mode)
             variants = {}
             for v in VARIANTS:
                 try:  # a variant that does not compile here (warp specialization) is left out, with why

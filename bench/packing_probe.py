@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moe_rewrite.runtime.model import attention, packing
+from moe_rewrite.runtime.model import attention, packed_attention, packing
 
 
 def lognormal(total: int, median: float, tail: int, seed: int) -> list[int]:
@@ -123,11 +123,11 @@ def probe(mix, lengths, args, run_flat, core, scale, device, heads) -> list[dict
 
         padded = -(-tokens // 128) * 128
         ids = torch.cat([docs.ids.reshape(-1), docs.ids.new_full((padded - tokens,), len(lengths))])
-        ours = timed(lambda: packing._moe_rewrite_document_block_mask(docs, padded, device), args.repeat)
+        ours = timed(lambda: packed_attention._moe_rewrite_document_block_mask(docs, padded, device), args.repeat)
         mod = lambda b, h, i, j: (i >= j) & (ids[i] == ids[j])  # noqa: E731
         theirs = timed(lambda: create_block_mask(mod, 1, 1, padded, padded, device=device), 3)
         same = torch.equal(
-            packing._moe_rewrite_document_block_mask(docs, padded, device).to_dense(),
+            packed_attention._moe_rewrite_document_block_mask(docs, padded, device).to_dense(),
             create_block_mask(mod, 1, 1, padded, padded, device=device).to_dense(),
         )
         row = dict(

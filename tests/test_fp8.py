@@ -19,7 +19,7 @@ from fp8 import HIDDEN, INTER, dequantize_blockwise, fp8_moe, fp8_standin, quant
 from helpers import assert_same_step, lora, reference, rel_err, routing, step, tiny_moe  # noqa: E402
 
 from moe_rewrite.runtime.experts import fused_checkpoint  # noqa: E402
-from moe_rewrite.runtime.moe import grouped_linear  # noqa: E402
+from moe_rewrite.runtime.moe import grouped_mm  # noqa: E402
 
 EXPERTS, TOP_K = 6, 2
 
@@ -87,7 +87,7 @@ def test_dequantize_matches_the_reference_and_handles_partial_blocks():
         codes = torch.stack([q for q, _ in parts]).view(*shape)
         scales = torch.stack([s for _, s in parts]).view(*shape[:-2], *parts[0][1].shape)
         want = torch.stack([dequantize_blockwise(q, s) for q, s in parts]).view(shape)
-        assert torch.equal(grouped_linear._moe_rewrite_dequantize(codes, scales, torch.float32), want)
+        assert torch.equal(grouped_mm._moe_rewrite_dequantize(codes, scales, torch.float32), want)
 
 
 def test_fp8_experts_load_per_expert_keys_and_save_dequantized():

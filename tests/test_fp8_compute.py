@@ -228,7 +228,7 @@ def test_an_input_width_off_the_128_grid_runs_w8a16(monkeypatch):
     """FP8 compute quantizes whole 1 x 128 tiles of the rows: a projection 192 wide (a partial last scale block, which
     FP8 experts load) runs the W8A16 arithmetic under MOE_REWRITE_FP8_COMPUTE=1, the dequantized weights' product
     exactly, where the W8A8 path would fail on the partial tile; a 256-wide one is quantized."""
-    from moe_rewrite.runtime.moe import grouped_linear
+    from moe_rewrite.runtime.moe import grouped_mm
 
     runtime_env(monkeypatch, "MOE_REWRITE_FP8_COMPUTE", "1")
     generator = torch.Generator().manual_seed(5)
@@ -238,8 +238,8 @@ def test_an_input_width_off_the_128_grid_runs_w8a16(monkeypatch):
         codes = codes.to(torch.float8_e4m3fn)
         scale = torch.rand(2, 1, -(-width // 128), generator=generator, dtype=torch.float64) + 0.5
         rows = torch.randn(7, width, generator=generator, dtype=torch.float64)
-        got = grouped_linear._moe_rewrite_gmm("sorted", rows, codes, offsets, "fwd", scale)
-        weights = grouped_linear._moe_rewrite_dequantize(codes, scale, torch.float64)
+        got = grouped_mm._moe_rewrite_gmm("sorted", rows, codes, offsets, "fwd", scale)
+        weights = grouped_mm._moe_rewrite_dequantize(codes, scale, torch.float64)
         w8a16 = torch.cat([rows[:3] @ weights[0].t(), rows[3:] @ weights[1].t()])
         assert torch.equal(got, w8a16) != quantized, width
         if quantized:

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from conftest import FORM_DIRS, build_model, runtime_env  # noqa: E402
 
 from moe_rewrite import RewriteOptions, rewrite_source  # noqa: E402
-from moe_rewrite.runtime.model import packing  # noqa: E402
+from moe_rewrite.runtime.model import packed_attention, packing  # noqa: E402
 
 LENGTHS = (5, 9, 3, 7)
 
@@ -230,13 +230,13 @@ def test_the_document_block_mask_and_flex_path_on_cpu(lengths, monkeypatch):
     documents = packing._MoeRewriteDocuments(starts, ids[None])
     tokens = ids.numel()
     padded = -(-tokens // 128) * 128
-    built = packing._moe_rewrite_document_block_mask(documents, padded, torch.device("cpu"))
+    built = packed_attention._moe_rewrite_document_block_mask(documents, padded, torch.device("cpu"))
     full_ids = torch.cat([ids, ids.new_full((padded - tokens,), len(lengths))])
     want = create_block_mask(
         lambda b, h, q, kv: (q >= kv) & (full_ids[q] == full_ids[kv]), 1, 1, padded, padded, device="cpu"
     )
     assert torch.equal(built.to_dense(), want.to_dense())
-    monkeypatch.setitem(packing._moe_rewrite_packing_cache, "flex", flex_attention)  # eager on CPU
+    monkeypatch.setitem(packed_attention._moe_rewrite_packed_attention_cache, "flex", flex_attention)  # eager on CPU
     q, k = (torch.randn(tokens, 3, 24) for _ in range(2))
     v = torch.randn(tokens, 3, 16)  # FlexAttention has no backward on CPU: tests/test_cuda_packing.py
     out = packing._moe_rewrite_flex(q, k, v, documents, None)

@@ -27,7 +27,7 @@ from moe_rewrite.runtime.kernels import (  # noqa: E402
     triton_swiglu,
 )
 from moe_rewrite.runtime.model import lm_loss  # noqa: E402
-from moe_rewrite.runtime.moe import expert_output, grouped_linear, moe_train, route  # noqa: E402
+from moe_rewrite.runtime.moe import expert_output, grouped_linear, grouped_mm, moe_train, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest has Triton interpret without a GPU
 
@@ -236,7 +236,7 @@ def test_the_grouped_gemm_kernel_reads_fp8_codes_with_their_block_scales(kernels
     parts = [quantize_blockwise(torch.randn(out, inner) * 0.05) for _ in counts]
     codes = torch.stack([q for q, _ in parts]).to(device)
     scales = torch.stack([s for _, s in parts]).to(device)
-    real = grouped_linear._moe_rewrite_dequantize(codes, scales, dtype).double()
+    real = grouped_mm._moe_rewrite_dequantize(codes, scales, dtype).double()
     offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
     a = torch.randn(sum(counts), inner if mode == "fwd" else out, device=device, dtype=dtype)
     got = triton_gemm._moe_rewrite_grouped_mm(kernels, a, codes, offsets, mode, scales)
@@ -266,7 +266,7 @@ def test_the_grouped_gemm_kernel_multiplies_fp8_rows_by_fp8_codes(kernels, mode)
     parts = [quantize_blockwise(torch.randn(out, inner) * 0.05) for _ in counts]
     codes = torch.stack([q for q, _ in parts]).to(device)
     scales = torch.stack([s for _, s in parts]).to(device)
-    real = grouped_linear._moe_rewrite_dequantize(codes, scales, torch.float64)
+    real = grouped_mm._moe_rewrite_dequantize(codes, scales, torch.float64)
     offsets = torch.tensor(counts).cumsum(0).to(device, torch.int32)
     rows, pad = sum(counts), 5
     a_codes, a_scales = quantize_rows(torch.randn(rows + pad, inner if mode == "fwd" else out))
@@ -337,9 +337,9 @@ def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypa
         shape = {"fwd": (experts, n, k), "dgrad": (experts, k, n), "wgrad": (rows, n)}[mode]
         b = torch.randn(shape, device=device, dtype=dtype)
         ran.clear()
-        got = grouped_linear._moe_rewrite_gmm("torch", a, b, offsets, mode)
+        got = grouped_mm._moe_rewrite_gmm("torch", a, b, offsets, mode)
         if ran and mode != "wgrad":
-            want = grouped_linear._moe_rewrite_gmm("sorted", a, b, offsets, mode)
+            want = grouped_mm._moe_rewrite_gmm("sorted", a, b, offsets, mode)
             assert torch.allclose(got.double(), want.double(), atol=1e-3, rtol=1e-2), mode
         return bool(ran)
 
@@ -612,7 +612,7 @@ def test_padding_rows_change_no_number(monkeypatch, kernels, adapted, rank, x_ke
     patch_runtime(monkeypatch, "_moe_rewrite_hopper", lambda device: True)
     # torch's GEMMs, whose tile the padding is for (the Triton grouped GEMM's would take these products)
     monkeypatch.setitem(dispatch._moe_rewrite_settings_cache, "MOE_REWRITE_TRITON_GEMM", "0")
-    gmm = grouped_linear._moe_rewrite_gmm
+    gmm = grouped_mm._moe_rewrite_gmm
 
     def unwritten_padding(kernel, a, b, offsets, mode, scale=None):
         out = gmm(kernel, a, b, offsets, mode, scale)

@@ -53,6 +53,12 @@ SECTION_LIST = (
         core=True,
     ),
     Entry(
+        "grouped_mm",
+        "moe",
+        "the grouped GEMM's products on the chosen kernel (FP8: W8A16 or W8A8; compiled: a custom op)",
+        core=True,
+    ),
+    Entry(
         "grouped_linear",
         "moe",
         "the grouped GEMM with autograd over weight sources, and the gather of x's rows",
@@ -140,6 +146,11 @@ SECTION_LIST = (
         "no_aux_loss",
         "router",
         "AddAuxiliaryLoss where aux_loss_alpha = 0 gives no aux loss: trained without it, said once",
+    ),
+    Entry(
+        "packed_attention",
+        "model",
+        "packed documents' kernels: SDPA per document, varlen_attn, FlexAttention with a block mask",
     ),
     Entry(
         "packing",

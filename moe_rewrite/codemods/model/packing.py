@@ -289,7 +289,7 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         module = replace(module, forward, new.with_changes(body=new.body.with_changes(body=body)))
         heads.append(name)
     if "attention" in context.sections or heads:
-        context.sections.add("packing")  # attention.py calls it
+        context.sections.update(("packed_attention", "packing"))  # attention.py calls packing, packing its kernels
     if models:
         line = DONE.format(models=", ".join(models), heads=", ".join(heads) or "no ForCausalLM")
         notes.append(Note(CONCERN, ", ".join(models), True, line))

@@ -9,7 +9,7 @@ bf16 checkpoint (a few percent of V3's weights). Generated where the checkpoint'
 
 import torch
 
-from ..moe.grouped_linear import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
+from ..moe.grouped_mm import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
 from .expert_linears import _moe_rewrite_projections
 
 

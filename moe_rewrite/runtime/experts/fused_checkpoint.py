@@ -5,7 +5,7 @@ Always generated.
 
 import torch
 
-from ..moe.grouped_linear import _moe_rewrite_dequantize
+from ..moe.grouped_mm import _moe_rewrite_dequantize
 from ..parallel.expert_parallel_checkpoint import _moe_rewrite_gathered_state_dict
 from .expert_linears import MOE_REWRITE_PROJECTIONS
 from .fp8_experts import _moe_rewrite_model_dtype

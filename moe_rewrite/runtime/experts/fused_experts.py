@@ -8,11 +8,11 @@ import torch
 from ..kernels.dispatch import _moe_rewrite_compute_dtype, _moe_rewrite_kernel
 from ..moe.backends import _moe_rewrite_loop
 from ..moe.grouped_linear import (
-    _moe_rewrite_dequantize,
     _MoeRewriteExpertMLP,
     _MoeRewriteExpertWeight,
     _MoeRewriteFP8ExpertWeight,
 )
+from ..moe.grouped_mm import _moe_rewrite_dequantize
 from ..moe.moe_train import _moe_rewrite_grouped_experts
 from .expert_linears import (
     MOE_REWRITE_PROJECTIONS,

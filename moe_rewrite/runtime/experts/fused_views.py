@@ -6,7 +6,7 @@ step. Always generated (with fused_experts.py).
 
 import torch
 
-from ..moe.grouped_linear import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
+from ..moe.grouped_mm import MOE_REWRITE_FP8_BLOCK, _moe_rewrite_dequantize
 from .expert_linears import MOE_REWRITE_PROJECTIONS
 from .fp8_experts import _MoeRewriteDequantized
 

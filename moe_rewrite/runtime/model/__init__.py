@@ -4,6 +4,7 @@ decoder-layer checkpointing, the RoPE tables outside torch.compile, _init_weight
 
 Sections (moe_rewrite/runtime/__init__.py SECTION_LIST, in its order):
 
+    packed_attention: packed documents' kernels: SDPA per document, varlen_attn, FlexAttention with a block mask
     packing: packed documents (restarting position ids, cu_seq_lens_*) each attending to itself; num_items_in_batch
     attention: the attention core through torch's scaled_dot_product_attention, its backend chosen once per shape
     lm_loss: the causal-LM loss in chunks, without float32 logits over the vocabulary, in training with labels

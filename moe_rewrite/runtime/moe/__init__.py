@@ -5,6 +5,7 @@ the experts only through the MoE layer's moe_rewrite_expert_weights() (experts/ 
 Sections (moe_rewrite/runtime/__init__.py SECTION_LIST, in its order):
 
     route: the route: rows sorted by expert, and the gather, un-sort and weighted combine along it
+    grouped_mm: the grouped GEMM's products on the chosen kernel (FP8: W8A16 or W8A8; compiled: a custom op)
     grouped_linear: the grouped GEMM with autograd over weight sources, and the gather of x's rows
     expert_output: act_fn(gate) * up, the down GEMM and the weighted combine as one autograd node
     backends: the expert MLPs outside the grouped GEMMs: SonicMoE's kernels and the per-expert loop

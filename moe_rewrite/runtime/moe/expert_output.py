@@ -9,7 +9,8 @@ import torch
 from ..kernels.dispatch import _moe_rewrite_triton
 from ..kernels.triton_sum_rows import _moe_rewrite_sum_rows, _moe_rewrite_sum_rows_backward
 from ..kernels.triton_swiglu import _moe_rewrite_swiglu, _moe_rewrite_swiglu_backward
-from .grouped_linear import _moe_rewrite_gmm, _moe_rewrite_kept
+from .grouped_linear import _moe_rewrite_kept
+from .grouped_mm import _moe_rewrite_gmm
 from .route import (
     _moe_rewrite_combine,
     _moe_rewrite_gather,
