@@ -198,7 +198,9 @@ def test_verbose_out_names_the_runtime_sections(tmp_path):
     """-v promises the sections the generated code holds: --out prints them too, as --check and --in-place do."""
     src = make_checkpoint(tmp_path, small=True)
     code, _, err = run_cli(src, "--out", tmp_path / "out", "-v")
-    assert code == 0 and err.splitlines()[1].startswith("  generated code: dispatch, route, grouped_linear, "), err
+    assert code == 0 and err.splitlines()[1].startswith(
+        "  generated code: dispatch, route, grouped_mm, grouped_linear, "
+    ), err
     code, _, err = run_cli(src, "--out", tmp_path / "out2")
     assert code == 0 and "generated code" not in err
 
@@ -285,8 +287,8 @@ def test_several_files_end_with_one_summary_line_and_quiet_and_verbose(tmp_path)
     assert code == 1
     assert err.splitlines() == [
         err.splitlines()[0],
-        "  generated code: dispatch, route, grouped_linear, expert_output, backends, moe_train, expert_parallel, "
-        "triton_block, triton_route, triton_gather, triton_swiglu, triton_sum_rows, triton_gemm, expert_linears, "
+        "  generated code: dispatch, route, grouped_mm, grouped_linear, expert_output, backends, moe_train, "
+        "expert_parallel, triton_block, triton_route, triton_gather, triton_swiglu, triton_sum_rows, triton_gemm, expert_linears, "
         "parameter_lora, fused_views, fused_experts, fusing, fused_checkpoint, expert_parallel_checkpoint, "
         "fused_loading (moe_rewrite/runtime/__init__.py SECTION_LIST)",
         f"{done}: already rewritten",

@@ -322,9 +322,9 @@ def test_the_grouped_gemm_kernel_runs_only_where_it_was_measured_faster(monkeypa
     MOE_REWRITE_TRITON_GEMM=0. Both give the same rows."""
     device, kernels = kernels
     ran = []
-    grouped_mm = triton_gemm._moe_rewrite_grouped_mm
+    triton_product = triton_gemm._moe_rewrite_grouped_mm
     patch_runtime(monkeypatch, "_moe_rewrite_triton", lambda device, dtype: kernels)
-    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or grouped_mm(*a))
+    patch_runtime(monkeypatch, "_moe_rewrite_grouped_mm", lambda *a: ran.append(a[-1]) or triton_product(*a))
     hopper = [True]
     patch_runtime(monkeypatch, "_moe_rewrite_hopper", lambda device: hopper[0])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
