@@ -288,9 +288,9 @@ def test_several_files_end_with_one_summary_line_and_quiet_and_verbose(tmp_path)
     assert err.splitlines() == [
         err.splitlines()[0],
         "  generated code: dispatch, route, grouped_mm, grouped_linear, expert_output, backends, moe_train, "
-        "expert_parallel, triton_block, triton_route, triton_gather, triton_swiglu, triton_sum_rows, triton_gemm, expert_linears, "
-        "parameter_lora, fused_views, fused_experts, fusing, fused_checkpoint, expert_parallel_checkpoint, "
-        "fused_loading (moe_rewrite/runtime/__init__.py SECTION_LIST)",
+        "expert_parallel, triton_block, triton_route, triton_gather, triton_swiglu, triton_sum_rows, triton_gemm, "
+        "expert_linears, parameter_lora, fused_views, fused_experts, fusing, fused_checkpoint, "
+        "expert_parallel_checkpoint, fused_loading (moe_rewrite/runtime/__init__.py SECTION_LIST)",
         f"{done}: already rewritten",
         "1 file would be rewritten, 1 file would be left unchanged",
     ] and err.startswith(f"would rewrite {v3} (V3 form")
