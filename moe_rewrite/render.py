@@ -11,6 +11,7 @@ PreTrainedModel subclass. The docstring, the imports and the placeholder classes
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +47,12 @@ FEATURES = ("fp8-experts", "expert-parallel", "expert-casts")
 FEATURE_TAGS = {
     f"# generated {how}: {feature}": (how == "with", feature) for feature in FEATURES for how in ("with", "without")
 }
+
+
+# The generated copy's docstrings keep their first sentence: the runtime module holds the whole text, and the user's
+# file says where (block.py's comment above each section). A sentence ends at a period before a capital, a quote, a
+# backquote or a parenthesis, or at the docstring's end.
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!\.\.)\.(?=\s+[A-Z(`\"]|\s*$)")
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,44 @@ class _FeatureFilter(cst.CSTTransformer):
         return updated_node.with_changes(body=self.kept(updated_node.body))
 
 
+def first_sentence(docstring: str) -> str:
+    """A triple-quoted docstring literal cut after its first sentence (unchanged where that is all of it)."""
+    quote = docstring[-3:]
+    start = docstring.index(quote) + 3
+    body = docstring[start:-3]
+    end = SENTENCE_END.search(body)
+    if end is None or not body[end.end() :].strip():
+        return docstring
+    return docstring[:start] + body[: end.end()].rstrip() + quote
+
+
+class _FirstSentences(cst.CSTTransformer):
+    """Every function's and class's docstring cut to its first sentence (first_sentence)."""
+
+    def _cut(self, node):
+        body = node.body
+        if not isinstance(body, cst.IndentedBlock) or not body.body:
+            return node
+        first = body.body[0]
+        if not m.matches(first, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])):
+            return node
+        string = cst.ensure_type(cst.ensure_type(first, cst.SimpleStatementLine).body[0], cst.Expr).value
+        literal = cst.ensure_type(string, cst.SimpleString).value
+        if not literal.endswith(('"""', "'''")):
+            return node
+        cut = first_sentence(literal)
+        if cut == literal:
+            return node
+        line = first.with_changes(body=[cst.Expr(cst.SimpleString(cut))])  # type: ignore[attr-defined]
+        return node.with_changes(body=body.with_changes(body=[line, *body.body[1:]]))
+
+    def leave_FunctionDef(self, original_node, updated_node):
+        return self._cut(updated_node)
+
+    def leave_ClassDef(self, original_node, updated_node):
+        return self._cut(updated_node)
+
+
 def render_section(
     name: str,
     module: cst.Module,
@@ -167,6 +212,7 @@ def render_section(
     parsed = cst.parse_module(text, config=module.config_for_parsing)
     if options is not None and any(tag in text for tag in FEATURE_TAGS):
         parsed = parsed.visit(_FeatureFilter(name, features(options)))
+    parsed = parsed.visit(_FirstSentences())
     statements, methods = [], {placeholder: [] for placeholder in PLACEHOLDERS}
     for stmt in parsed.body:
         if _is_header(stmt):

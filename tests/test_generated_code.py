@@ -134,3 +134,38 @@ def test_a_file_without_expert_parallelism_refuses_it_naming_the_option(tmp_path
     x, ids = torch.randn(3, model.config.hidden_size), torch.zeros(3, 1, dtype=torch.long)
     with pytest.raises(NotImplementedError, match="rewrite it with --expert-parallel$"):
         moe.moe_train(x, ids, torch.ones(3, 1))
+
+
+def test_the_generated_copy_names_each_sections_module_and_keeps_first_sentences():
+    """Each section of the block sits under a comment naming its runtime module; the copy's docstrings keep their
+    first sentence (the module keeps the whole text)."""
+    import ast
+    import re
+
+    from moe_rewrite import render
+
+    source = (V3_DIR / "modeling_deepseek.py").read_text()
+    out = rewrite_source(source).text
+    named = re.findall(r"^# moe_rewrite/(runtime/\w+/\w+\.py)$", out, flags=re.M)
+    assert named and len(named) == len(set(named))
+    assert all(render.section_file(path.split("/")[-1][:-3]).is_file() for path in named)
+    copied = {
+        node.name: ast.get_docstring(node, clean=False)
+        for node in ast.walk(ast.parse(out))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.startswith(("_moe_rewrite", "_MoeRewrite"))
+    }
+    whole = {}
+    for path in named:
+        tree = ast.parse(render.section_file(path.split("/")[-1][:-3]).read_text())
+        whole |= {
+            node.name: ast.get_docstring(node, clean=False)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        }
+    cut = [name for name, doc in copied.items() if doc and whole.get(name) and doc != whole[name]]
+    assert cut  # some were cut, and each to a prefix of the whole text ending a sentence
+    for name in cut:
+        assert whole[name].startswith(copied[name]) and copied[name].endswith(".")
+    assert render.first_sentence('"""One. Two."""') == '"""One."""'
+    assert render.first_sentence('"""Say e.g. this. Then (that)."""') == '"""Say e.g. this."""'
+    assert render.first_sentence('"""Only one sentence, no period"""') == '"""Only one sentence, no period"""'

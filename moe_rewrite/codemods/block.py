@@ -4,7 +4,10 @@ as one block in front of the MoE class, and their MoE-class methods right after 
     # ---- moe-rewrite 0.4.0 (backend=auto, stacking=stack): training path for DeepseekV3MoE ----
     # Generated code: edit moe_rewrite/runtime/ in moe-rewrite, not this block; a new run regenerates it.
     _moe_rewrite_options = {...}
-    ...                                  # dispatch, route, ...: the sections in runtime/__init__.py SECTION_LIST order
+    # moe_rewrite/runtime/kernels/dispatch.py
+    ...                                  # dispatch, route, ...: the sections in runtime/__init__.py SECTION_LIST order,
+                                         # each under a comment naming its module (whose docstrings are whole; here
+                                         # each keeps its first sentence)
 
     class DeepseekV3MoE(nn.Module):
         def forward(self, hidden_states): ...
@@ -23,7 +26,7 @@ import libcst as cst
 
 from moe_rewrite.codemods.kit import GENERATED_PREFIXES, Context, Field, is_generated_method, marked
 from moe_rewrite.codemods.kit.index import Index
-from moe_rewrite.render import banner_lines, ordered
+from moe_rewrite.render import banner_lines, ordered, section_path
 
 BANNER = "# ---- moe-rewrite"  # the first line above the generated block (render.banner_lines)
 READS: tuple[Field, ...] = ("moe", "projections")
@@ -79,11 +82,14 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
     names = ordered(context.sections)
     sections = [context.section(name, module) for name in names]
     statements: list[cst.BaseStatement] = []
-    for section in sections:
-        if section.statements:  # two blank lines between top-level definitions, as in the rest of the file
-            statements.append(section.statements[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2))
+    for name, section in zip(names, sections):
+        if section.statements:  # two blank lines between top-level definitions, then where the section's source is
+            source = cst.EmptyLine(indent=False, comment=cst.Comment(f"# moe_rewrite/{section_path(name)}"))
+            leading = [cst.EmptyLine(indent=False)] * 2 + [source]
+            if not statements:
+                leading = banner_lines(moe.name, context.options) + [source]
+            statements.append(section.statements[0].with_changes(leading_lines=leading))
             statements += section.statements[1:]
-    statements[0] = statements[0].with_changes(leading_lines=banner_lines(moe.name, context.options))
     methods = {method.name.value: marked(method) for section in sections for method in section.moe_methods}
     body: list[cst.BaseStatement] = []
     for stmt in module.body:
