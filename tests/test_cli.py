@@ -302,6 +302,7 @@ def test_several_files_end_with_one_summary_line_and_quiet_and_verbose(tmp_path)
     assert code == 2 and "exclude each other" in err
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_crlf_in_place_stays_crlf(tmp_path):
     path = tmp_path / MODELING
     lf = (V3_DIR / MODELING).read_bytes()
@@ -560,6 +561,7 @@ def test_error_exits_2_with_one_line_and_writes_nothing(tmp_path, case):
 # ---------------------------------------------------------------------------------------------- options, version
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_backend_and_stacking_are_written_and_regenerated(tmp_path):
     path = copy_modeling(tmp_path)
     default = patched_text()

@@ -11,6 +11,7 @@ from moe_rewrite import RewriteOptions, rewrite_source
 SOURCE = (V3_DIR / "modeling_deepseek.py").read_text()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_second_run_changes_nothing_and_no_compat_takes_it_back():
     once = rewrite_source(SOURCE).text
     assert "_moe_rewrite_cache_usable_length(past_key_value, kv_seq_len, self.layer_idx)" in once

@@ -36,6 +36,7 @@ def test_fused_experts_asked_for_are_refused_with_the_option_that_works(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_the_defaults_choose_per_expert_layers_and_say_so(tmp_path):
     """The form needs --no-fuse-experts: the defaults choose it, the summary says so, the banner records it, and the
     output is the --no-fuse-experts one, which a second run with the defaults leaves as it is (--check, --diff,

@@ -41,6 +41,7 @@ def finetune(checkpoint, out, *args: str) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_lora_with_the_trainer(tmp_path_factory, tmp_path):
     output = finetune(checkpoint_with_weights(tmp_path_factory), tmp_path / "lora", "--lora", "--lora-rank", "4")
     assert "trainable params" in output and "'loss'" in output
@@ -50,6 +51,7 @@ def test_lora_with_the_trainer(tmp_path_factory, tmp_path):
     assert any(".mlp.experts.0.gate_proj.lora_B" in k for k in adapter)  # the routed experts were adapted
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_full_fine_tuning_in_a_loop_with_checkpointing_and_the_bias_update(tmp_path_factory, tmp_path):
     checkpoint = checkpoint_with_weights(tmp_path_factory, "--bias-update", "0.01")
     output = finetune(checkpoint, tmp_path / "full", "--loop", "--gradient-checkpointing", "--lr", "1e-3")

@@ -439,6 +439,7 @@ def bias_ddp_results(tmp_path_factory):
     return json.loads((out / "bias_ddp.json").read_text())
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_all_reduce_gradients_leaves_the_router_bias_without_a_gradient(bias_ddp_results):
     for results in bias_ddp_results:
         assert results["bias_grads"] and all(results["bias_grads"])
@@ -447,6 +448,7 @@ def test_all_reduce_gradients_leaves_the_router_bias_without_a_gradient(bias_ddp
         assert results["grads"] > 10 and results["grad_error"] < 2e-6
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_ddp_around_an_expert_parallel_model_is_refused(bias_ddp_results):
     for results in bias_ddp_results:
         for key in ("ddp", "ddp_inner"):

@@ -314,6 +314,7 @@ def test_from_pretrained_reads_the_config_it_loads_with(fp8_model_files, tmp_pat
     assert read(cls, tmp_path / "missing", {"local_files_only": True}) is None
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_an_fp8_model_trains_evaluates_and_saves_like_its_dequantized_reference(monkeypatch, fp8_model_files, tmp_path):
     """Loaded in float32 (transformers casts the scales to it, exactly): the training step's loss and every gradient
     (LoRA adapters on every expert projection and on the dense and shared MLPs, through the views), eval logits,

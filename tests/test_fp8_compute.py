@@ -141,6 +141,7 @@ def test_fp8_compute_stays_within_its_bound_of_bf16_compute(monkeypatch, with_lo
     assert all(1e-3 < e < W8A8_BOUND for e in errors), errors
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_the_option_asks_for_fp8_experts_and_is_said_in_the_banner_and_the_options():
     options = RewriteOptions(fp8_compute=True)
     decided, line = fp8_choice(options, None, "")

@@ -33,6 +33,7 @@ def _banner(text: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("# ---- moe-rewrite"))
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_fp8_code_only_where_the_config_asks():
     text = (V3_DIR / "modeling_deepseek.py").read_text()
     plain = rewrite_source(text)
@@ -50,6 +51,7 @@ def test_fp8_code_only_where_the_config_asks():
     assert rewrite_source(text, RewriteOptions(fp8_experts=True)).text == fp8.text
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_fp8_choice_through_the_cli_is_said_and_a_second_run_changes_nothing(tmp_path):
     source = _fp8_checkpoint(tmp_path)
     code, _, err = run_cli(source, "--out", tmp_path / "out")
@@ -73,6 +75,7 @@ def test_fp8_choice_through_the_cli_is_said_and_a_second_run_changes_nothing(tmp
     assert (tmp_path / "no_fp8" / "modeling_deepseek.py").read_text() == dropped
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_expert_parallel_code_only_where_asked_and_refused_in_one_line_elsewhere():
     text = (V3_DIR / "modeling_deepseek.py").read_text()
     plain = rewrite_source(text)
@@ -99,6 +102,7 @@ def test_expert_parallel_code_only_where_asked_and_refused_in_one_line_elsewhere
     assert not rewrite_source(plain.text).changed
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_expert_parallel_through_the_cli(tmp_path):
     out = tmp_path / "out"
     code, _, err = run_cli(V3_DIR, "--out", out, "--expert-parallel", "--no-fuse-experts")

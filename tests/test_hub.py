@@ -131,6 +131,7 @@ def assert_code_only_checkpoint(out: Path, form_dir: Path) -> str:
     return (out / MODELING).read_text()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_out_from_hub_repo(tmp_path, hub_cache):
     """The real command, in its own process."""
     before = cache_state(hub_cache)
@@ -269,6 +270,7 @@ def run_against(endpoint: str, *args) -> tuple[int, str, str, float]:
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_a_hub_that_never_answers_falls_back_to_the_cache_and_says_so(hub_cache, silent_hub):
     code, _, err, took = run_against(silent_hub, REPO, "--check")
     lines = err.splitlines()

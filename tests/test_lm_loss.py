@@ -385,6 +385,7 @@ def test_nn_cross_entropy_spelling_is_accepted():
     assert "_moe_rewrite_lm_loss(" in _snippet_forward(text)[0]
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_no_fused_loss_keeps_the_published_loss_and_takes_an_earlier_branch_back(tmp_path):
     from conftest import V3_DIR
 

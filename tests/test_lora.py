@@ -90,6 +90,7 @@ def test_disabled_and_merged_adapters_run_grouped_as_the_base_layers(tmp_path_fa
     assert rel_err(disabled, trained_base) < REL and rel_err(merged, expected) < REL
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_adapters_the_grouped_gemms_cannot_reproduce_run_through_the_loop(tmp_path_factory):
     """DoRA changes the forward: the layer falls back to PEFT's own modules, with the same numbers as the loop."""
     model = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=4).train()
@@ -149,6 +150,7 @@ def test_merge_and_unload_equals_the_adapted_model_and_saves_per_expert_keys(tmp
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in saved and not any("lora" in k for k in saved)
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_lora_on_the_experts_in_a_trainer(tmp_path_factory, tmp_path):
     from transformers import Trainer, TrainingArguments
 

@@ -80,6 +80,7 @@ def test_lora_on_the_fused_parameters_with_the_torch_kernel(tmp_path_factory, mo
 
 
 @pytest.mark.parametrize("targets", TARGETS)
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_eval_disable_and_merge_under_lora_on_the_fused_parameters(tmp_path_factory, tmp_path, monkeypatch, targets):
     """moe_infer cannot index wrapped experts: eval runs them grouped, equal to PEFT's forward and to the merged
     model (which evaluates through moe_infer, expert by expert); disable_adapter() gives the base model."""

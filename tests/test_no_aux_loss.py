@@ -78,6 +78,7 @@ def _assert_same(run, reference):
         assert (grads[name] - grad).abs().max().item() <= ATOL, name
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_alpha_0_trains_without_the_aux_loss_and_says_so_once(checkpoints):
     """Alpha 0: the aux loss weighs nothing, so the layers train without it, no switch needed: the published loop's
     numbers with the loss skipped (where the published file itself fails on None), and one warning for the process,

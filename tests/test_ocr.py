@@ -159,6 +159,7 @@ if transformers.__version__ == "4.46.3":  # the stand-in against the class it st
 RELEASES = os.environ.get("MOE_REWRITE_COMPAT_RELEASES", "4.46.3 5.24.0").split()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_use_mla_false_trains_alike_on_every_release(rewritten):
     """The Llama attention path (`use_mla: false`): on 4.46.3 with transformers' classes, elsewhere with the stand-ins,
     the same training loss and gradients; on 4.46.3 the stand-in equals LlamaAttention bit for bit (forward, weights'

@@ -32,6 +32,7 @@ def test_wheel_ships_the_runtime_and_entry_point(wheel):
     assert "moe-rewrite = moe_rewrite.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_installed_wheel_rewrites_outside_the_source_tree(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel], check=True)

@@ -76,6 +76,7 @@ def _assert_close(got, want, tol=2e-5):
 
 
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "cu-seq-lens"])
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_a_packed_batch_is_each_document_alone(patched, form, flash_kwargs):
     model = _model(patched)
     docs = _documents(model.config.vocab_size)
@@ -167,6 +168,7 @@ def test_num_items_in_batch_makes_the_loss_independent_of_the_micro_batches(patc
         _assert_close(dict(model.named_parameters())[name].grad, grad, tol=1e-4)
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_forwards_without_kwargs_get_them_and_every_edit_is_taken_back():
     source = (FORM_DIRS["v3"] / "modeling_deepseek.py").read_text()
     plain = source.replace(

@@ -184,6 +184,7 @@ def test_rewrite_hook_rewrites_fails_then_passes(tmp_path, env, installed, expec
     assert files(consumer) == rewritten
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_check_hook_fails_with_the_diff_and_changes_nothing(tmp_path, env, installed, expected):
     consumer = make_consumer(tmp_path, env, installed)
     before = files(consumer)

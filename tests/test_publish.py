@@ -447,6 +447,7 @@ def hub(tmp_path_factory):
     worker.wait(timeout=30)
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_include_weights_links_weights_and_tokenizer_from_the_cache_snapshot(tmp_path, hub):
     cache, run = hub
     before = cache_state(cache)

@@ -68,6 +68,7 @@ def test_aux_loss_value_and_gradient_match_the_report(aux_ckpt):
     assert rel_err(moe.gate.weight.grad, ref_grad) < 1e-5
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_aux_loss_changes_nothing_in_eval(aux_ckpt, tmp_path_factory):
     plain = build_model(patched_checkpoint(tmp_path_factory, "v3"), seed=3).eval()
     every = build_model(patched_checkpoint(tmp_path_factory, "v3", *ALL_OPTIONS), seed=3).eval()
@@ -91,6 +92,7 @@ def _load(moe, x):
     return torch.bincount(ids.flatten(), minlength=moe.config.n_routed_experts).double()
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_bias_moves_toward_balance_and_gets_no_gradient(tmp_path_factory):
     model, moe = _skewed_bias_model(tmp_path_factory)
     x = torch.randn(4, 16, moe.config.hidden_size)
@@ -211,6 +213,7 @@ def _saved_bytes(model, ids):
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("rewritten", [True, False], ids=["with-option", "without"])
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_gradient_checkpointing_enable_works_with_identical_gradients(tmp_path_factory, rewritten, reentrant):
     options = () if rewritten else ("--no-gradient-checkpointing",)
     plain = build_model(patched_checkpoint(tmp_path_factory, "v3", *options), seed=11).train()

@@ -41,6 +41,7 @@ def test_out_never_replaces_a_file_moe_rewrite_did_not_write(checkpoint, tmp_pat
     assert (out / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_a_second_run_replaces_what_the_first_wrote_but_not_later_edits(checkpoint, tmp_path):
     out = tmp_path / "out"
     assert run_cli(checkpoint, "--out", out)[0] == 0
