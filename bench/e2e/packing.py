@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out (flex compiles in the first two)")
     parser.add_argument("--check-documents", type=int, default=8)
+    parser.add_argument("--profile", help="write kernel- and host-time tables of the last batch, run once more, here")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -161,6 +162,19 @@ def main() -> None:
         useful.append(sum(len(docs[i]) for i in index))
         padded_tokens.append(batch["input_ids"].numel())
         losses.append(round(loss.item(), 5))
+    if args.profile:  # the last batch once more, profiled, left out of the timing
+        kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        batch = make_batch([docs[i] for i in plan[-1]], args.layout, device)
+        with torch.profiler.profile(activities=kinds) as profiler:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+        with open(args.profile, "w") as f:
+            f.write(f"{args.impl} {args.layout} {args.mode}: the last batch, after the timed steps\n")
+            for order in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+                table = profiler.key_averages().table(sort_by=order, row_limit=25, max_name_column_width=90)
+                f.write(f"by {order}\n{table}\n")
     timed = slice(args.warmup, None)
     row.update(
         useful_tokens_per_s=round(sum(useful[timed]) / sum(times[timed])),

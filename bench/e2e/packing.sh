@@ -3,7 +3,8 @@
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/packing.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
 # ROWS picks rows ("impl:layout:mode:layers:budget ..."); the default is Moonlight's sizes at 8 layers, full and LoRA
-# r16, native and ours, padded and packed. LAYERS27=1 runs the 27-layer LoRA rows instead (part 5).
+# r16, native and ours, padded and packed. LAYERS27=1 runs the 27-layer LoRA rows instead (part 5). PROFILE=1 writes
+# each row's kernel and host tables of one more step beside its JSON.
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -26,6 +27,7 @@ for row in ${ROWS:-$DEFAULT}; do
   name="packing_${impl}_${layout}_${mode}_${layers}l_${budget}"
   extra=()
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-packing/$impl"); fi
+  if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   start=$(date +%s)
   timeout "${ROW_TIMEOUT:-150}" python3 bench/e2e/packing.py --impl "$impl" --layout "$layout" --mode "$mode" \
     --layers "$layers" --budget "$budget" --steps "${STEPS:-7}" --warmup "${WARMUP:-3}" --out "$OUT/$name.json" \
