@@ -132,7 +132,7 @@ def undo(module: cst.Module, index: Index | None = None) -> cst.Module:
     """The module with an earlier run's wrapped calls back as published (and packing.py's edits, which sit on them,
     taken back first)."""
     index = index or Index()
-    module = packing.undo(module)
+    module = packing.undo(module, index)
 
     def published(forward: cst.FunctionDef) -> cst.FunctionDef:
         # one at a time: deep_replace makes new nodes

@@ -45,6 +45,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from moe_rewrite.codemods.kit import MARK, Context, Field, Note, class_methods, code, replace, top_classes
+from moe_rewrite.codemods.kit.index import Index
 from moe_rewrite.codemods.model import lm_loss
 from moe_rewrite.codemods.model.branch import unbranched
 
@@ -164,7 +165,7 @@ def _noted(stmt: cst.BaseStatement, note: str) -> bool:
     return any(line.comment is not None and line.comment.value == note for line in stmt.leading_lines)
 
 
-def _undo_forward(forward: cst.FunctionDef) -> cst.FunctionDef:
+def _undo_forward(forward: cst.FunctionDef, index: Index) -> cst.FunctionDef:
     body, changed = [], False
     for stmt in _body(forward):
         if isinstance(stmt, cst.SimpleStatementLine) and _noted(stmt, ITEMS_NOTE):
@@ -179,7 +180,8 @@ def _undo_forward(forward: cst.FunctionDef) -> cst.FunctionDef:
         body.append(stmt)
     if changed:
         forward = forward.with_changes(body=forward.body.with_changes(body=body))
-    for node in m.findall(forward, m.Call(func=m.Name(MASK_CALL))):
+    calls = m.findall(forward, m.Call(func=m.Name(MASK_CALL))) if MASK_CALL in index.facts(forward).called else []
+    for node in calls:
         call = cst.ensure_type(node, cst.Call)
         plain = _without(call, lambda a: a.keyword is not None and a.keyword.value in ("position_ids", "packed"))
         if plain is not call:
@@ -193,13 +195,14 @@ def _undo_forward(forward: cst.FunctionDef) -> cst.FunctionDef:
     return forward
 
 
-def undo(module: cst.Module) -> cst.Module:
+def undo(module: cst.Module, index: Index | None = None) -> cst.Module:
     """The module without an earlier run's edits."""
+    index = index or Index()
     for cls in top_classes(module).values():
         forward = class_methods(cls).get("forward")
         if forward is not None:
-            plain = _undo_forward(forward)
-            if not plain.deep_equals(forward):
+            plain = _undo_forward(forward, index)
+            if plain is not forward:
                 module = replace(module, forward, plain)
     return module
 
@@ -245,7 +248,7 @@ def _without(call: cst.Call, drop) -> cst.Call:
 
 def transform(module: cst.Module, context: Context) -> cst.Module:
     """The module with packed batches per document and num_items_in_batch taken where proven; notes say what."""
-    module = undo(module)
+    module = undo(module, context.index)
     if not context.options.sdpa:
         return module
     notes, models, heads = context.notes, [], []
