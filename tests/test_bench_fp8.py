@@ -150,3 +150,92 @@ def test_unknown_rows_and_configs_are_refused(tmp_path):
         with pytest.raises(SystemExit) as stop:
             bench_fp8.main([*argv, "--out", str(tmp_path)])
         assert stop.value.code == 2
+
+
+def _native_e2e():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "e2e"))
+    import native
+
+    return native
+
+
+def test_the_e2e_fp8_checkpoint_holds_deepseeks_codes_and_scales():
+    """bench/e2e/native.py --fp8's checkpoint tensors: every nn.Linear but lm_head as float8_e4m3fn codes and float32
+    block scales, transformers 5.x's fused expert tensors expert by expert under the per-expert names, each within
+    e4m3's rounding of the weight it stands for; lm_head, the router and e_score_correction_bias (float32) as they
+    were."""
+    native = _native_e2e()
+    experts, inter, hidden = 3, 128, 256
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(hidden, 64, bias=False)
+    model.q_proj = torch.nn.Linear(hidden, 200, bias=False)  # a partial block
+    model.mlp = torch.nn.Module()
+    model.mlp.gate = torch.nn.Module()
+    model.mlp.gate.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+    model.mlp.gate.register_buffer("e_score_correction_bias", torch.randn(experts).bfloat16())
+    model.mlp.experts = torch.nn.Module()
+    model.mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden))
+    model.mlp.experts.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inter))
+    model = model.bfloat16()
+    tensors = native.fp8_tensors(model)
+    state = model.state_dict()
+    projections = {"gate_proj": (0, slice(0, inter)), "up_proj": (0, slice(inter, None)), "down_proj": (1, slice(None))}
+    wanted = {"q_proj": state["q_proj.weight"]}
+    for e in range(experts):
+        for name, (which, rows) in projections.items():
+            fused = state[("mlp.experts.gate_up_proj", "mlp.experts.down_proj")[which]]
+            wanted[f"mlp.experts.{e}.{name}"] = fused[e, rows]
+    assert set(tensors) == {"lm_head.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias"} | {
+        f"{m}.{leaf}" for m in wanted for leaf in ("weight", "weight_scale_inv")
+    }
+    for module, weight in wanted.items():
+        codes, scales = tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"]
+        assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and codes.shape == weight.shape
+        back = dequantize_blockwise(codes, scales, torch.float64)
+        block_scale = (
+            scales.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[: weight.shape[0], : weight.shape[1]]
+        )
+        assert ((back - weight.double()).abs() <= weight.double().abs() / 16 + block_scale * 2.0**-9).all()
+    for key in ("lm_head.weight", "mlp.gate.weight"):
+        assert tensors[key].dtype == torch.bfloat16 and torch.equal(tensors[key], state[key])
+    bias = tensors["mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, state["mlp.gate.e_score_correction_bias"].float())
+
+
+@pytest.mark.slow
+def test_the_e2e_fp8_rows_run_on_the_cpu_at_tiny_sizes(tmp_path):
+    """bench/e2e/native.py --fp8 w8a16 and compute on the V3 fixture rewritten with --fp8-compute, tiny sizes on the
+    CPU: the routed experts load FP8 (their codes and scales are the row's experts_gb), both modes train with LoRA
+    from the same first loss within FP8 compute's rounding, and the report compares them where it can."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    code = tmp_path / "fp8-code"
+    fixture = root / "fixtures" / "deepseek_v3"
+    rewrite = [sys.executable, "-m", "moe_rewrite", str(fixture), "--out", str(code), "--fp8-compute"]
+    subprocess.run(rewrite, check=True, cwd=root, capture_output=True)
+    rows = {}
+    for mode in ("w8a16", "compute"):
+        out = tmp_path / f"native_fp8-{mode}_lora_1x64.json"
+        args = f"--impl fp8-{mode} --ckpt {code} --fp8 {mode} --fp8-dir {tmp_path / 'weights'} --mode lora --tiny"
+        args += f" --batch 1 --seq 64 --steps 2 --warmup 1 --out {out}"
+        run = subprocess.run(
+            [sys.executable, "bench/e2e/native.py", *args.split()], cwd=root, capture_output=True, text=True
+        )
+        rows[mode] = json.loads(out.read_text())
+        assert "error" not in rows[mode], run.stderr[-3000:]
+    assert {mode: row["fp8"] for mode, row in rows.items()} == {"w8a16": "w8a16", "compute": "compute"}
+    # one MoE layer: 8 experts' gate_up (256 x 256) and down (256 x 128) codes, 2 x 2 and 2 x 1 float32 scales
+    assert rows["w8a16"]["experts_gb"] == rows["compute"]["experts_gb"] == float(f"{8 * (98304 + 6 * 4) / 1e9:.4g}")
+    first = [row["losses"][0] for row in rows.values()]
+    assert first[0] != first[1] and abs(first[0] - first[1]) <= 1e-2 * abs(first[0])
+    report = subprocess.run(
+        [sys.executable, "bench/e2e/native_report.py", *map(str, tmp_path.glob("native_*.json"))],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = [line for line in report.stdout.splitlines() if line.startswith("fp8-")]
+    assert len(lines) == 2 and all(line.rstrip().endswith("-") for line in lines)  # no moe-rewrite row to compare
