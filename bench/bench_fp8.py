@@ -257,7 +257,9 @@ def bench_configs(args, path):
         fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES.update(tiles)
         notes.append(f"FP8 compute tiles: {tiles}")
     print("FP8 compute tiles:", fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES, flush=True)
-    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
+    plain_mod = None  # the per-expert file, for the loop row only
+    if "loop" in wanted:
+        plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         config = b.moe_config(configuration, cfg)
@@ -336,8 +338,9 @@ def bench_configs(args, path):
                     dict(config=name, tokens=tokens, impl="transformers-fp8-experts", ms=ms, peak_gb=peak, note=why)
                 )
                 print(json.dumps(rows[-1]), flush=True)
-        b.set_backend(plain_mod, {})
-        b.set_backend(fused_mod, {})
+        for modeling in (plain_mod, fused_mod):
+            if modeling is not None:
+                b.set_backend(modeling, {})
         del plain, moe, holders, datas, refs
         del codes, fp8
         torch.cuda.empty_cache()
@@ -364,10 +367,11 @@ def row(args, module, modeling, env, impl, holders, data, ref, bf16_gb):
         if dgrad is not None:
             extra["kmajor_make_ms"] = make_ms(module.experts)
         ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
+        copy_gb = dgrad.gb() if dgrad is not None else 0.0
         if dgrad is not None and dgrad.cached:
-            extra["kmajor_gb"] = round(dgrad.gb(), 2)
+            extra["kmajor_gb"] = round(copy_gb, 3)
     grads = bl.lora_grads(grads_of)
-    held = expert_gb(module.experts) + extra.get("kmajor_gb", 0.0)
+    held = expert_gb(module.experts) + copy_gb
     result = dict(
         ms=round(ms, 3),
         host_ms=round(host_ms, 3),
