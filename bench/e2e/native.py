@@ -222,7 +222,7 @@ def fp8_checkpoint(args, sizes: dict, device: str) -> Path:
     config = AutoConfig.from_pretrained(args.ckpt, trust_remote_code=True, **sizes).to_dict()
     config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     (row / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (row / "model.safetensors").symlink_to(shared / "model.safetensors")
+    (row / "model.safetensors").symlink_to((shared / "model.safetensors").resolve())
     return row
 
 
