@@ -9,20 +9,35 @@ The weights are drawn in bf16, quantized as DeepSeek's checkpoints are (tests/fp
   moe-rewrite-lora[fp8]      FP8 fused experts (codes + scales), the same adapters: the Triton grouped GEMM reads the
                              codes and multiplies each tile by its scales (forward and input gradient)
   moe-rewrite-lora[fp8,compute]  the same in FP8 compute (MOE_REWRITE_FP8_COMPUTE=1, W8A8, issue #49): rows quantized
-                             per 1 x 128 tile, FP8 tensor-core products (forward and input gradient of the base)
+                             per 1 x 128 tile, FP8 tensor-core products in the forward; the input gradient W8A16
+  moe-rewrite-lora[fp8,compute,kmajor]  (fp8-kmajor) FP8 compute whose input gradient is W8A8 too, on a K-major copy
+                             of the codes and scales ((E, in, out), made once before timing, kept: the experts' memory
+                             1.0x bf16 instead of 0.5x): dy @ W as the forward kernel's dy @ (W^T)^T, the operand
+                             contiguous along the reduced dim as Hopper's FP8 tensor cores take it. The best case of
+                             a transposed-operand kernel; kmajor_gb is the copy, kmajor_make_ms the time to make it
+  moe-rewrite-lora[fp8,compute,transpose]  (transpose) the same with the K-major copy made in every input gradient
+                             and dropped after it (memory stays 0.5x): what making it just in time costs per step
   moe-rewrite-lora[fp8,dequant]  the same with MOE_REWRITE_TRITON_GEMM=0: weights dequantized per GEMM, then
                              torch._grouped_mm (the fallback off the Triton path)
   naive-loop-lora            PEFT target_modules on the --no-fuse-experts output's per-expert bf16 layers, run through
                              the per-expert loop (MOE_REWRITE_BACKEND=loop)
   transformers-fp8-experts   transformers' own FP8Experts (grouped_mm) on the same codes and scales, without LoRA,
                              where it runs (its kernels come from the Hub)
-expert GB: the experts' weights as held (codes and scales, or bf16). rel err: output, input gradient and LoRA
-gradients against moe-rewrite-lora[bf16]; for FP8 compute also each of them against the W8A16 row (vs_w8a16).
+expert GB: the experts' weights as held (codes and scales, with the K-major copy where kept, or bf16); expert_vs_bf16
+that over the bf16 experts'. rel err: output, input gradient and LoRA gradients against moe-rewrite-lora[bf16]; for
+FP8 compute also each of them against the W8A16 row (vs_w8a16).
 
-    python3 bench/bench_fp8.py [--configs v3,k2] [--tokens 4096,16384] [--rows bf16,fp8,fp8-compute,dequant,loop,native]
-        [--tiles OUT/fp8-compute-tiles.json] [--reps 10] [--out DIR]
+Each config runs in a child process of its own (--child), so that one that runs out of memory or leaves memory
+behind spoils no other; in it every token count of a row runs before the next row, and the bf16 experts are freed
+after the bf16 rows (room for the K-major copy at K2's sizes). The parent writes OUT/LABEL.json with every child's
+rows (a child that dies leaves the rows it wrote and a note).
 
---tiles: FP8 compute's tiles per mode as bench/fp8_compute_tiles.py writes them (else the generated code's own).
+    python3 bench/bench_fp8.py [--configs v3,k2] [--tokens 4096,16384]
+        [--rows bf16,fp8,fp8-compute,fp8-kmajor,transpose,dequant,loop,native]
+        [--tiles OUT/fp8-compute-tiles.json] [--reps 10] [--label h200-fp8] [--out DIR]
+
+--tiles: FP8 compute's tiles per mode as bench/fp8_compute_tiles.py writes them (else the generated code's own); the
+K-major input gradient runs the forward's ("fwd") tile.
 
 bench/fp8_kernels.py times the kernel's variants GEMM by GEMM.
 """
@@ -30,9 +45,11 @@ bench/fp8_kernels.py times the kernel's variants GEMM by GEMM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -126,19 +143,109 @@ def native_fp8(config, codes, cfg, data):
         return None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:240]}"
 
 
-def main():
+ROWS = "bf16,fp8,fp8-compute,fp8-kmajor,transpose,dequant,loop,native"
+COMPUTE = {"MOE_REWRITE_FP8_COMPUTE": "1"}
+
+
+def kmajor(codes, scales):
+    """The K-major copy of FP8 experts' codes (E, out, in) and block scales (E, out / 128, in / 128): (E, in, out) and
+    (E, in / 128, out / 128), contiguous. The input gradient dy @ W[e] is then the forward product dy @ (W[e]^T)^T,
+    whose weight operand runs contiguous along the reduced dim (out), as Hopper's FP8 tensor cores take it."""
+    return codes.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
+
+
+class KMajorDgrad:
+    """In place of a generated module's _moe_rewrite_gmm while a row runs (`with KMajorDgrad(modeling, cached):`): the
+    input gradient of FP8 experts in FP8 compute (W8A8) on the K-major copy of their codes and scales, through the
+    module's own forward W8A8 product (_moe_rewrite_fp8_gmm, "fwd"); every other product as the module runs it.
+    cached: the copy is made on the first input gradient of each weight and kept (fp8-kmajor), else made in every
+    input gradient and dropped after it (transpose)."""
+
+    def __init__(self, modeling, cached):
+        self.modeling, self.cached, self.original = modeling, cached, modeling._moe_rewrite_gmm
+        self.copies = {}
+
+    def __call__(self, kernel, a, b, offsets, mode, scale=None):
+        if mode != "dgrad" or scale is None or a.shape[1] % 128:  # FP8 compute quantizes whole 1 x 128 tiles
+            return self.original(kernel, a, b, offsets, mode, scale)
+        key = (b.data_ptr(), tuple(b.shape), scale.data_ptr())
+        codes, scales = self.copies[key] if key in self.copies else kmajor(b, scale)
+        if self.cached:
+            self.copies[key] = codes, scales
+        kernels = self.modeling._moe_rewrite_triton(a.device, a.dtype)
+        return self.modeling._moe_rewrite_fp8_gmm(kernels, a, codes, offsets, "fwd", scales)
+
+    def gb(self):
+        return sum(t.numel() * t.element_size() for pair in self.copies.values() for t in pair) / 2**30
+
+    def __enter__(self):
+        self.modeling._moe_rewrite_gmm = self
+        return self
+
+    def __exit__(self, *exc):
+        self.modeling._moe_rewrite_gmm = self.original
+        self.copies.clear()
+
+
+def make_ms(experts):
+    """The time to make the K-major copies of `experts`' two FP8 weights once (ms, median of 3)."""
+    params = dict(experts.named_parameters())
+    pairs = [(p, params[f"{n}_scale_inv"]) for n, p in params.items() if p.dtype == torch.float8_e4m3fn]
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copies = [kmajor(*pair) for pair in pairs]
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        del copies
+    return round(sorted(times)[1], 3)
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="v3,k2")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--label", default="h200-fp8")
     parser.add_argument("--tokens", default="4096")
-    parser.add_argument("--rows", default="bf16,fp8,fp8-compute,dequant,loop,native")
+    parser.add_argument("--rows", default=ROWS)
     parser.add_argument("--tiles", default=None)
-    args = parser.parse_args()
-    wanted = set(args.rows.split(","))
+    parser.add_argument("--child", action="store_true", help="run --configs here (one config: what the parent runs)")
+    args = parser.parse_args(argv)
+    unknown = set(args.rows.split(",")) - set(ROWS.split(","))
+    unknown |= set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown rows or configs: {', '.join(sorted(unknown))}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        bench_configs(args, out_dir / f"{args.label}.json")
+        return
+    rows, notes, record = [], [], {}
+    for name in args.configs.split(","):
+        path = out_dir / f"{args.label}.{name}.json"
+        path.unlink(missing_ok=True)
+        child = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])]
+        child += ["--child", "--configs", name, "--label", f"{args.label}.{name}"]
+        code = subprocess.run(child).returncode  # the last --configs and --label given win
+        done = json.loads(path.read_text()) if path.is_file() else dict(rows=[], notes=[])
+        rows += done["rows"]
+        notes += done["notes"]
+        if code:
+            notes.append(f"{name}: the child process exited with {code}, after {len(done['rows'])} rows")
+        print(f"{name}: {len(done['rows'])} rows, exit {code}", flush=True)
+        # the record (device, versions) as the children wrote it; the parent never touches the GPU
+        record = dict(record, **{k: v for k, v in done.items() if k not in ("notes", "rows")})
+        record.update(command=" ".join(sys.argv), notes=notes, rows=rows)
+        (out_dir / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
+    summary(rows)
+
+
+def bench_configs(args, path):
+    """Every row of every config in --configs, in this process; `path` rewritten after each row."""
+    wanted = set(args.rows.split(","))
     torch.backends.cuda.matmul.allow_tf32 = False
     work = Path(tempfile.mkdtemp())
     rows, notes = [], []
@@ -150,7 +257,9 @@ def main():
         fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES.update(tiles)
         notes.append(f"FP8 compute tiles: {tiles}")
     print("FP8 compute tiles:", fused_mod.MOE_REWRITE_FP8_COMPUTE_TILES, flush=True)
-    plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
+    plain_mod = None  # the per-expert file, for the loop row only
+    if "loop" in wanted:
+        plain_mod, _ = b.import_patched(b.rewrite_fixture(work / "fp8_plain", "--no-fuse-experts"), "fp8_plain")
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         config = b.moe_config(configuration, cfg)
@@ -163,8 +272,10 @@ def main():
         fp8 = fp8_experts(fused_mod, moe.experts)  # moe's bf16 experts now hold the dequantized FP8 weights
         codes = {n: p.detach() for n, p in fp8.named_parameters()}
         holders = {"moe-rewrite-lora[bf16]": with_lora(moe.experts)}
+        bf16_gb = expert_gb(moe.experts)
         holders["moe-rewrite-lora[fp8]"] = with_lora(fp8, holders["moe-rewrite-lora[bf16]"])
-        holders["moe-rewrite-lora[fp8,dequant]"] = holders["moe-rewrite-lora[fp8]"]
+        for impl in ("dequant", "compute", "compute,kmajor", "compute,transpose"):
+            holders[f"moe-rewrite-lora[fp8,{impl}]"] = holders["moe-rewrite-lora[fp8]"]
         plain = None
         # at k2 a third copy of the experts (and PEFT's delta check) does not fit beside the others
         if cfg["E"] <= 256 and "loop" in wanted:
@@ -191,59 +302,55 @@ def main():
         impls = [
             ("bf16", "moe-rewrite-lora[bf16]", moe, fused_mod, {}),
             ("fp8", "moe-rewrite-lora[fp8]", moe, fused_mod, {}),
-            ("fp8-compute", "moe-rewrite-lora[fp8,compute]", moe, fused_mod, {"MOE_REWRITE_FP8_COMPUTE": "1"}),
+            ("fp8-compute", "moe-rewrite-lora[fp8,compute]", moe, fused_mod, COMPUTE),
+            ("fp8-kmajor", "moe-rewrite-lora[fp8,compute,kmajor]", moe, fused_mod, COMPUTE),
+            ("transpose", "moe-rewrite-lora[fp8,compute,transpose]", moe, fused_mod, COMPUTE),
             ("dequant", "moe-rewrite-lora[fp8,dequant]", moe, fused_mod, {"MOE_REWRITE_TRITON_GEMM": "0"}),
         ]
-        holders["moe-rewrite-lora[fp8,compute]"] = holders["moe-rewrite-lora[fp8]"]
         if plain is not None:
             impls.append(("loop", "naive-loop-lora", plain, plain_mod, {"MOE_REWRITE_BACKEND": "loop"}))
-        for tokens in map(int, args.tokens.split(",")):
-            data = b.routings(dict(cfg, N=tokens), "cuda", seed=1)
-            ref = {}
-            for short, impl, module, modeling, env in impls:
-                if short not in wanted:
-                    continue
+        tokens_list = list(map(int, args.tokens.split(",")))
+        datas = {tokens: b.routings(dict(cfg, N=tokens), "cuda", seed=1) for tokens in tokens_list}
+        refs = {tokens: {} for tokens in tokens_list}
+        for short, impl, module, modeling, env in impls:
+            if short not in wanted:
+                continue
+            for tokens in tokens_list:
                 try:  # a row that fails (out of memory at 16384 tokens) is recorded as such, the others still run
-                    rows.append(
-                        dict(
-                            config=name,
-                            tokens=tokens,
-                            impl=impl,
-                            **row(args, module, modeling, env, impl, holders, data, ref),
-                        )
-                    )
+                    measured = row(args, module, modeling, env, impl, holders, datas[tokens], refs[tokens], bf16_gb)
+                    rows.append(dict(config=name, tokens=tokens, impl=impl, **measured))
                 except Exception as error:  # noqa: BLE001
                     torch.cuda.empty_cache()
-                    rows.append(
-                        dict(
-                            config=name,
-                            tokens=tokens,
-                            impl=impl,
-                            ms=None,
-                            note=f"{type(error).__name__}: {str(error)[:200]}",
-                        )
-                    )
+                    note = f"{type(error).__name__}: {str(error)[:200]}"
+                    rows.append(dict(config=name, tokens=tokens, impl=impl, ms=None, note=note))
                 print(json.dumps(rows[-1]), flush=True)
-            if "native" in wanted:
-                ms, peak, why = native_fp8(config, codes, cfg, data)
+                write(path, notes, rows)
+            if short == "bf16":  # no later row reads the bf16 experts: their memory goes to the K-major copies
+                for n, p in holders["moe-rewrite-lora[bf16]"].experts.named_parameters():
+                    if "lora" not in n:
+                        p.data = p.data.new_empty(0)
+                torch.cuda.empty_cache()
+                print(f"bf16 experts freed: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+        if "native" in wanted:
+            for tokens in tokens_list:
+                ms, peak, why = native_fp8(config, codes, cfg, datas[tokens])
                 rows.append(
                     dict(config=name, tokens=tokens, impl="transformers-fp8-experts", ms=ms, peak_gb=peak, note=why)
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            del data, ref
-            torch.cuda.empty_cache()
-        b.set_backend(plain_mod, {})
-        b.set_backend(fused_mod, {})
-        del plain, moe, holders
+        for modeling in (plain_mod, fused_mod):
+            if modeling is not None:
+                b.set_backend(modeling, {})
+        del plain, moe, holders, datas, refs
         del codes, fp8
         torch.cuda.empty_cache()
-        write(out_dir / f"{args.label}.json", notes, rows)
+        write(path, notes, rows)
     summary(rows)
 
 
-def row(args, module, modeling, env, impl, holders, data, ref):
-    """One row's measures: ms, peak and kept memory, expert GB, the largest error against the bf16 row (the first
-    run), and for FP8 compute each error against the W8A16 row."""
+def row(args, module, modeling, env, impl, holders, data, ref, bf16_gb):
+    """One row's measures: ms, peak and kept memory, expert GB (and over the bf16 experts'), the largest error against
+    the bf16 row (the first run), and for FP8 compute each error against the W8A16 row."""
     if impl in holders:
         module.experts = holders[impl].experts
         grads_of = holders[impl]
@@ -253,14 +360,26 @@ def row(args, module, modeling, env, impl, holders, data, ref):
     warm, reps = (1, max(2, args.reps // 5)) if impl == "naive-loop-lora" else (3, args.reps)
     t0 = time.time()
     fn = functools.partial(b.moe_rewrite, module)
-    ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
+    extra = {}
+    # the K-major input gradient only in its rows: every other row runs the generated code as it is
+    dgrad = KMajorDgrad(modeling, cached=impl.endswith("kmajor]")) if impl.endswith(("kmajor]", "transpose]")) else None
+    with dgrad or contextlib.nullcontext():
+        if dgrad is not None:
+            extra["kmajor_make_ms"] = make_ms(module.experts)
+        ms, host_ms, peak, kept, y, x = b.run_impl(fn, data, grads_of, None, warm, reps)
+        copy_gb = dgrad.gb() if dgrad is not None else 0.0
+        if dgrad is not None and dgrad.cached:
+            extra["kmajor_gb"] = round(copy_gb, 3)
     grads = bl.lora_grads(grads_of)
+    held = expert_gb(module.experts) + copy_gb
     result = dict(
         ms=round(ms, 3),
         host_ms=round(host_ms, 3),
         peak_gb=round(peak, 2),
         kept_gb=round(kept, 3),
-        expert_gb=round(expert_gb(module.experts), 2),
+        expert_gb=round(held, 2),
+        expert_vs_bf16=round(held / bf16_gb, 3),
+        **extra,
     )
     measured = dict(y=y, x=x.grad, grads=grads)
     if impl == "moe-rewrite-lora[fp8]":
@@ -274,13 +393,18 @@ def row(args, module, modeling, env, impl, holders, data, ref):
         errs = [b.rel(y, ref["bf16"]["y"]), b.rel(x.grad, ref["bf16"]["x"])]
         err = max(errs + [b.rel(g, ref["bf16"]["grads"][k]) for k, g in grads.items()])
     result["max_rel_err"] = float(f"{err:.2e}")
-    if impl == "moe-rewrite-lora[fp8,compute]" and "w8a16" in ref:
-        w8a16 = ref["w8a16"]
-        result["vs_w8a16"] = dict(
-            y=float(f"{b.rel(y, w8a16['y']):.2e}"),
-            x_grad=float(f"{b.rel(x.grad, w8a16['x']):.2e}"),
-            lora_grads=float(f"{max(b.rel(g, w8a16['grads'][k]) for k, g in grads.items()):.2e}"),
-        )
+    if impl.endswith("kmajor]"):
+        ref["kmajor"] = measured
+    # FP8 compute's errors against W8A16; the just-in-time copy's against the kept one (the same arithmetic: 0)
+    others = ["w8a16"] if impl.startswith("moe-rewrite-lora[fp8,compute") else []
+    others += ["kmajor"] if impl.endswith("transpose]") else []
+    for other in others:
+        if other in ref:
+            result[f"vs_{other}"] = dict(
+                y=float(f"{b.rel(y, ref[other]['y']):.2e}"),
+                x_grad=float(f"{b.rel(x.grad, ref[other]['x']):.2e}"),
+                lora_grads=float(f"{max(b.rel(g, ref[other]['grads'][k]) for k, g in grads.items()):.2e}"),
+            )
     b.clear_grads(grads_of, None, x)
     print(f"({impl}: {time.time() - t0:.1f}s)", flush=True)
     return result
@@ -301,19 +425,20 @@ def write(path, notes, rows):
 
 
 def summary(rows):
-    header = f"{'config':6} {'tokens':>6} {'impl':32} {'ms':>8} {'peak GB':>8} {'expert GB':>9} {'rel err':>9}"
+    header = f"{'config':6} {'tokens':>6} {'impl':40} {'ms':>8} {'peak GB':>8} {'expert GB':>9} {'rel err':>9}"
     print(f"\n{header} {'vs bf16':>8} {'vs loop':>8}")
     for r in rows:
-        if r["ms"] is None:
-            print(f"{r['config']:6} {r['tokens']:6} {r['impl']:32} {'-':>8} ({r['note']})")
+        if r.get("ms") is None:
+            print(f"{r['config']:6} {r['tokens']:6} {r['impl']:40} {'-':>8} ({r.get('note')})")
             continue
-        same = [x for x in rows if x["config"] == r["config"] and x["tokens"] == r["tokens"] and x["ms"]]
+        same = [x for x in rows if x["config"] == r["config"] and x["tokens"] == r["tokens"] and x.get("ms")]
         bf16 = next((x["ms"] for x in same if x["impl"] == "moe-rewrite-lora[bf16]"), float("nan"))
         loop = next((x["ms"] for x in same if x["impl"] == "naive-loop-lora"), float("nan"))
+        more = [f"{k} {r[k]}" for k in ("expert_vs_bf16", "kmajor_make_ms", "vs_w8a16", "vs_kmajor") if k in r]
         print(
-            f"{r['config']:6} {r['tokens']:6} {r['impl']:32} {r['ms']:8.2f} {r['peak_gb'] or 0:8.2f} "
+            f"{r['config']:6} {r['tokens']:6} {r['impl']:40} {r['ms']:8.2f} {r.get('peak_gb') or 0:8.2f} "
             f"{r.get('expert_gb', 0):9.2f} {r.get('max_rel_err', 0):9.1e} {bf16 / r['ms']:7.2f}x {loop / r['ms']:7.1f}x"
-            + (f"  vs W8A16 {r['vs_w8a16']}" if "vs_w8a16" in r else "")
+            + (f"  {'; '.join(more)}" if more else "")
         )
 
 

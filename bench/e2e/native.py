@@ -3,6 +3,7 @@ by moe-rewrite, on the same weights and the same batches (issue #34). One proces
 
     python bench/e2e/native.py --impl native --mode full --batch 2 --seq 4096 --out row.json
     python bench/e2e/native.py --impl moe-rewrite --ckpt REWRITTEN_DIR --mode lora --out row.json
+    python bench/e2e/native.py --impl fp8-compute --ckpt REWRITTEN_DIR --fp8 compute --mode lora --out row.json
 
 --impl native: transformers' class (sdpa attention, grouped_mm experts); native-liger: the same after Liger's
 `apply_liger_kernel_to_deepseek_v3(swiglu=False)` (RMSNorm, RoPE, fused linear cross-entropy); any other name: the
@@ -10,6 +11,13 @@ rewritten file in --ckpt (a directory the CLI wrote: code + config). Weights: na
 loaded into the rewritten model (fused experts: the same key names; per-expert layouts get them split), so the first
 losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False), random
 token ids from a fixed seed; the time is the median of the steps after --warmup. bench/e2e/native.sh runs every row.
+
+--fp8 w8a16|compute (issue #49; --ckpt rewritten with --fp8-experts): the same initial weights as an FP8 checkpoint as
+DeepSeek ships V3/R1 (every nn.Linear's weight but lm_head's, the routed experts' expert by expert, float8_e4m3fn codes
+with a float32 weight_scale_inv per 128 x 128 block; config.json with V3's quantization_config), written once into
+--fp8-dir and loaded with from_pretrained: the routed experts stay FP8 (half their bf16 memory) and every other layer
+is dequantized to bf16; w8a16 runs MOE_REWRITE_FP8_COMPUTE=0 (the FP8 codes times bf16 rows), compute =1 (W8A8 in the
+experts' forward GEMMs). Every row records experts_gb, the routed experts' weights as held (codes and scales, or bf16).
 
 --compile layers: `layer.compile()` on each decoder layer (what a user adds in one line; PEFT's base model's layers
 under LoRA); model: `torch.compile(model)`; both with the default inductor backend. The row records the first step's
@@ -21,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,6 +87,16 @@ TINY = dict(
     v_head_dim=16,
     num_hidden_layers=2,
 )
+# fp8_config_overrides' sizes for a tiny FP8 run on the CPU (--tiny --fp8): the experts' and dense MLPs' whole 128 x 128
+# blocks, attention's partial ones
+TINY_FP8 = dict(TINY, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, q_lora_rank=32)
+# DeepSeek-V3's and R1's config.json
+QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 LORA_MODULES = r".*\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)"
 LORA_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
@@ -141,6 +163,96 @@ def file_model(ckpt: str, sizes: dict, device: str) -> tuple[torch.nn.Module, st
     return model, model.config._attn_implementation
 
 
+def fp8_tensors(native: torch.nn.Module) -> dict:
+    """`native`'s weights as DeepSeek's FP8 checkpoints store them (tests/fp8.py's quantize_blockwise): each nn.Linear
+    but lm_head as `weight` (float8_e4m3fn) and `weight_scale_inv` (float32, per 128 x 128 block), the fused expert
+    tensors (transformers 5.x) as each expert's gate_proj, up_proj and down_proj so, e_score_correction_bias in
+    float32, the rest as they are; on the CPU."""
+    from fp8 import quantize_blockwise
+
+    linears = {n for n, m in native.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    out = {}
+    for name, tensor in native.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in linears and leaf == "weight":
+            out[name], out[f"{module}.weight_scale_inv"] = quantize_blockwise(tensor)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            half = tensor.shape[1] // 2
+            parts = (
+                {"down_proj": tensor}
+                if leaf == "down_proj"
+                else {"gate_proj": tensor[:, :half], "up_proj": tensor[:, half:]}
+            )
+            for projection, part in parts.items():
+                codes, scales = quantize_blockwise(part)  # (E, out, in): each expert its own blocks
+                for e in range(part.shape[0]):
+                    out[f"{module}.{e}.{projection}.weight"] = codes[e]
+                    out[f"{module}.{e}.{projection}.weight_scale_inv"] = scales[e]
+        else:
+            out[name] = tensor.float() if leaf == "e_score_correction_bias" else tensor
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in out.items()}
+
+
+def fp8_checkpoint(args, sizes: dict, device: str) -> Path:
+    """The FP8 checkpoint of native's initial weights at `sizes` for the file in --ckpt: the weights written once into
+    --fp8-dir (kept for the next FP8 row at the same sizes), and a directory of the row's own code, its config at
+    `sizes` with V3's quantization_config, and a link to them."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    shared = Path(args.fp8_dir)
+    stamp = json.dumps(dict(sizes, seed=0), sort_keys=True)
+    if not (shared / "stamp.json").is_file() or (shared / "stamp.json").read_text() != stamp:
+        shutil.rmtree(shared, ignore_errors=True)
+        shared.mkdir(parents=True)
+        start = time.perf_counter()
+        native = native_model(sizes, liger=False, device=device)
+        tensors = fp8_tensors(native)
+        del native
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        save_file(tensors, shared / "model.safetensors", {"format": "pt"})
+        (shared / "stamp.json").write_text(stamp)
+        print(f"FP8 checkpoint: {len(tensors)} tensors in {time.perf_counter() - start:.1f}s", flush=True)
+    row = shared / f"{args.impl}-checkpoint"
+    shutil.rmtree(row, ignore_errors=True)
+    row.mkdir()
+    for source in Path(args.ckpt).glob("*.py"):
+        shutil.copyfile(source, row / source.name)
+    config = AutoConfig.from_pretrained(args.ckpt, trust_remote_code=True, **sizes).to_dict()
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (row / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (row / "model.safetensors").symlink_to((shared / "model.safetensors").resolve())
+    return row
+
+
+def fp8_file_model(args, sizes: dict, device: str) -> tuple[torch.nn.Module, str]:
+    """The rewritten file loaded from the FP8 checkpoint (fp8_checkpoint) with from_pretrained, on `device`; its routed
+    experts FP8 (else the row fails)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    if device == "cpu" or importlib.util.find_spec("accelerate") is None:
+        # transformers' FP8 quantizer refuses the CPU (4.x) and asks for accelerate, which loading it does not use
+        # (5.x): its check only, skipped as tests/test_fp8.py skips it
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    directory = fp8_checkpoint(args, sizes, device)
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **dtype_kwargs(torch.bfloat16))
+    model.to(device)
+    codes = [n for n, p in model.named_parameters() if ".experts." in n and p.dtype == torch.float8_e4m3fn]
+    if not codes:
+        raise RuntimeError(f"the routed experts of {directory} did not load as FP8 (rewritten without --fp8-experts?)")
+    return model, model.config._attn_implementation
+
+
+def experts_gb(model: torch.nn.Module) -> float:
+    """The routed experts' weights as held (FP8 codes and scales, or bf16; adapters left out), GB."""
+    held = [p for n, p in model.named_parameters() if ".experts." in n and "lora" not in n]
+    return sum(p.numel() * p.element_size() for p in held) / 1e9
+
+
 def label(args) -> str:
     return args.impl if args.compile == "none" else f"{args.impl} compiled-{args.compile}"
 
@@ -159,8 +271,12 @@ def main() -> None:
     parser.add_argument("--compile", choices=["none", "layers", "model"], default="none")
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
+    parser.add_argument("--fp8", choices=["w8a16", "compute"], help="the file in --ckpt on an FP8 checkpoint")
+    parser.add_argument("--fp8-dir", default="/tmp/e2e-native/fp8-checkpoint", help="where --fp8 writes the weights")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.fp8 and not args.ckpt:
+        parser.error("--fp8 needs --ckpt (a file rewritten with --fp8-experts)")
     try:
         run(args)
     except Exception as error:  # the row says how it failed; the next row still runs
@@ -186,9 +302,13 @@ def run(args) -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    sizes = TINY if args.tiny else dict(MOONLIGHT, num_hidden_layers=args.layers)
+    sizes = (TINY_FP8 if args.fp8 else TINY) if args.tiny else dict(MOONLIGHT, num_hidden_layers=args.layers)
     device = "cpu" if args.tiny else "cuda"
-    if args.impl.startswith("native"):
+    if args.fp8:
+        # the row measures the mode it names, whatever the rewrite's --fp8-compute said
+        os.environ["MOE_REWRITE_FP8_COMPUTE"] = "1" if args.fp8 == "compute" else "0"
+        model, attn = fp8_file_model(args, sizes, device)
+    elif args.impl.startswith("native"):
         model, attn = native_model(sizes, liger=args.impl == "native-liger", device=device), "sdpa"
     else:
         model, attn = file_model(args.ckpt, sizes, device)
@@ -253,6 +373,8 @@ def run(args) -> None:
         tokens_per_s=round(args.batch * args.seq / step_s),
         step_s=round(step_s, 4),
         peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
+        experts_gb=float(f"{experts_gb(model):.4g}"),
+        fp8=args.fp8,
         losses=[round(x, 5) for x in losses[: args.steps]],
         attention=attn,
         trainable=sum(p.numel() for p in trainable),
@@ -264,4 +386,5 @@ def run(args) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # tests/fp8.py: DeepSeek's quantization
     main()

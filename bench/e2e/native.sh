@@ -3,8 +3,10 @@
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/native.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
 # ROWS picks rows ("impl:mode:batch:seq[:compile] ...", compile none, layers or model: native.py --compile); OPTOUTS
-# are the options of the "published-attention" file (every whole-model rewrite off, the MoE rewrite kept); PROFILE=1 writes kernel tables. libcst, peft and Liger come from
-# the wheels in .whl/ (installed into /tmp/site); the device's own torch and transformers run everything.
+# are the options of the "published-attention" file (every whole-model rewrite off, the MoE rewrite kept); PROFILE=1
+# writes kernel tables. fp8-w8a16 and fp8-compute rows: the file rewritten with --fp8-experts (--fp8-compute) on an
+# FP8 checkpoint of the same weights (native.py --fp8, issue #49). libcst, peft and Liger come from the wheels in .whl/
+# (installed into /tmp/site); the device's own torch and transformers run everything.
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -17,10 +19,16 @@ cp "${MODELING:-fixtures/deepseek_v3/modeling_deepseek.py}" "$src/modeling_deeps
 ROWS=${ROWS:-"native:full:2:4096 native-liger:full:2:4096 moe-rewrite:full:2:4096 published-attention:full:2:4096
 naive-loop:full:2:4096 native:lora:2:4096 native-liger:lora:2:4096 moe-rewrite:lora:2:4096
 published-attention:lora:2:4096 native:full:1:8192 native-liger:full:1:8192 moe-rewrite:full:1:8192
-published-attention:full:1:8192"}
+published-attention:full:1:8192 fp8-w8a16:lora:2:4096 fp8-compute:lora:2:4096"}
 python3 -m moe_rewrite "$src" --out /tmp/e2e-native/moe-rewrite
 if [[ $ROWS == *published-attention* ]]; then
   python3 -m moe_rewrite "$src" --out /tmp/e2e-native/published-attention ${OPTOUTS:---no-sdpa}
+fi
+if [[ $ROWS == *fp8-w8a16* ]]; then
+  python3 -m moe_rewrite "$src" --out /tmp/e2e-native/fp8-w8a16 --fp8-experts
+fi
+if [[ $ROWS == *fp8-compute* ]]; then
+  python3 -m moe_rewrite "$src" --out /tmp/e2e-native/fp8-compute --fp8-compute
 fi
 if [[ $ROWS == *naive-loop* ]]; then
   python3 -m moe_rewrite "$src" --out /tmp/e2e-native/naive-loop --backend loop --no-fuse-experts ${OPTOUTS:---no-sdpa}
@@ -32,6 +40,7 @@ for row in $ROWS; do
   extra=()
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-native/$impl"); fi
+  if [[ $impl == fp8-* ]]; then extra+=(--fp8 "${impl#fp8-}"); fi
   timeout "${ROW_TIMEOUT:-600}" python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" \
     --seq "$seq" --steps "${STEPS:-8}" --compile "$compile" --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
     grep -v "Warning\|warn(" || echo "row $row failed"
