@@ -193,6 +193,7 @@ def main() -> None:
         losses=losses,
         step_times=[round(t, 4) for t in times],
         graphs_per_step=traced if args.compile else None,
+        packed_kernels=packed_kernels(model),
         trainable=sum(p.numel() for p in trainable),
     )
     print(json.dumps(row))
@@ -206,6 +207,14 @@ def main() -> None:
         print(json.dumps(dict(document_losses_compiled=row["document_losses_compiled"])))
         with open(args.out, "w") as f:
             json.dump(row, f)
+
+
+def packed_kernels(model) -> dict | None:
+    """The rewritten file's packed-attention choices (its _moe_rewrite_packing_cache: eager keys, and ("compiled",
+    ...) for compiled layers, "varlen" or "mask"), None for native rows."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = getattr(sys.modules[type(base).__module__], "_moe_rewrite_packing_cache", None)
+    return None if cache is None else {str(k): str(v) for k, v in cache.items()}
 
 
 def graphs_traced() -> int:
