@@ -9,6 +9,7 @@ shows there, in seconds); one test runs inductor; the CUDA test runs at the end 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -203,3 +204,91 @@ def test_the_rope_line_names_the_classes_whose_forward_rebuilds_the_tables_and_a
     assert rope_tables.transform(cst.parse_module(once), Context(RewriteOptions())).code == once
     plain = source[source.index("class Plain") :]
     assert rope_tables.transform(cst.parse_module(plain), Context(RewriteOptions())).code == plain
+
+
+# Packed documents (runtime/model/packing.py) under torch.compile: the Model finds them outside the graphs, the
+# compiled layers read only their tensors and longest length.
+PACKED_STEPS = ((5, 9, 3, 7), (11, 2, 6), (4, 4, 8, 3, 5), (7, 12, 1, 2))  # new lengths, counts and token totals
+
+
+def packed_batch(lengths, vocab, seed, flash_kwargs=False):
+    """DataCollatorWithFlattening's form: one row, position ids restarting, labels -100 at each document's start."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, vocab, (n,), generator=generator) for n in lengths]
+    ids = torch.cat(docs)[None]
+    labels = ids.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    labels[0, cu[:-1].long()] = -100
+    batch = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lengths])[None], labels=labels)
+    if flash_kwargs:
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    return docs, batch
+
+
+def packed_step(model, run, batch):
+    loss = run(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def alone_step(model, docs):
+    """Each document run alone: the token losses summed over all documents, over their count, and its gradients
+    (what the packed batch's mean loss over its labels is); a document of one token has no label."""
+    total = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs if len(d) > 1)
+    count = sum(len(d) - 1 for d in docs)
+    (total / count).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total.detach() / count, grads
+
+
+def recording(functions):
+    """aot_eager, adding to `functions` the names of the functions each graph traced (its nodes' stack traces)."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, inputs):
+        traces = "".join(str(node.meta.get("stack_trace", "")) for node in gm.graph.nodes)
+        functions.update(re.findall(r"line \d+, in (\w+)", traces))
+        return aot_eager(gm, inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize(
+    "where, flash_kwargs", [("layers", False), ("model", False), ("model", True)], ids=["layers", "model", "model-cu"]
+)
+def test_compiled_packed_batches_are_each_document_alone_and_trace_twice(fused, where, flash_kwargs):
+    """Four packed steps with new document lengths, counts and token totals, the documents read from restarting
+    position ids or from the collator's cu_seq_lens_q/k (model-cu): the compiled model's loss and gradients equal the
+    eager packed model's and each document run alone (float32), the attention of the compiled graphs runs the
+    document-causal mask, the first step traces, the second traces again with the lengths dynamic, the third and
+    fourth trace nothing. Each layer compiled under non-reentrant checkpointing; the whole model compiled without
+    (with it, the decoder layers run eagerly: docs/compile.md)."""
+    import warnings
+
+    eager = build_model(fused, aux_loss_alpha=0.0, **ONE_MOE_LAYER).train()  # the aux loss spans the batch
+    model = copy.deepcopy(eager)
+    functions = set()
+    if where == "layers":
+        for m in (eager, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compile_layers(model, backend=recording(functions))
+        run = model
+    else:
+        run = torch.compile(model, backend=recording(functions))
+    traced = []
+    for index, lengths in enumerate(PACKED_STEPS):
+        docs, batch = packed_batch(lengths, eager.config.vocab_size, seed=index, flash_kwargs=flash_kwargs)
+        before = graphs()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the packed-batch warning
+            got = packed_step(model, run, batch)
+            want = packed_step(eager, eager, batch)
+        traced.append(graphs() - before)
+        alone = alone_step(eager, docs)
+        assert_same_step(want, got)
+        assert_same_step(alone, got)
+    assert "_moe_rewrite_document_causal_mask" in functions
+    assert traced[0] > 0 and traced[1] > 0 and traced[2:] == [0, 0], traced

@@ -90,3 +90,30 @@ def test_the_choice_is_kept_and_recomputation_takes_the_same_path(monkeypatch):
     assert _rel(out, want) < 1e-2
     for got, ref in zip(leaves, want_grads):
         assert _rel(got.grad, ref) < 2e-2
+
+
+def test_a_compiled_layer_runs_varlen_over_new_lengths_with_two_traces():
+    """torch.compile (inductor) of a layer's attention over four mixes of document lengths, counts and tokens:
+    varlen_attn from the documents' tensors, the same numbers as each document alone, no warning, traced twice."""
+    import warnings
+
+    if packing._moe_rewrite_compiled_packed_backend(torch.device("cuda"), torch.bfloat16, QK, V, 0.0) != "varlen":
+        pytest.skip("varlen_attn does not run these head dims here")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c, d: attention._moe_rewrite_attention(a, b, c, d, QK**-0.5, 0.0))
+    traced = []
+    for lengths in (LENGTHS, (300, 20, 100), (64, 64, 500, 3, 9), (900, 1)):
+        documents = _documents(lengths)
+        q, k, v, grad = _inputs(documents.starts[-1])
+        want, want_grads = _reference(q, k, v, grad, documents)
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = compiled(*leaves, documents)
+        out.backward(grad.bfloat16())
+        traced.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        assert _rel(out, want) < 1e-2
+        for got, ref in zip(leaves, want_grads):
+            assert _rel(got.grad, ref) < 2e-2
+    assert traced[0] > 0 and traced[2:] == [0, 0], traced

@@ -256,3 +256,35 @@ def test_per_document_sdpa_over_several_rows():
     for row in range(2):
         want = _reference(q[row], k[row], v[row], ids[row])
         assert (got[row].double() - want).abs().max() < 1e-5
+
+
+def test_the_document_causal_mask_over_several_rows():
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 3, 4, 5, 5]])
+    got = packing._moe_rewrite_document_causal_mask(ids)
+    assert got.shape == (2, 1, 6, 6) and got.dtype == torch.bool
+    for row in range(2):
+        for q in range(6):
+            for k in range(6):
+                assert bool(got[row, 0, q, k]) == (k <= q and bool(ids[row, q] == ids[row, k]))
+
+
+def test_a_compiled_layer_takes_varlen_where_it_runs_else_the_mask_with_one_warning_on_cuda(monkeypatch):
+    """The kernel a compiled layer runs packed documents on, decided at tracing (packing.py): the CPU and a CUDA
+    batch varlen_attn does not take (float32, dropout, the probe failing) get the mask, CUDA with one warning."""
+    choose = packing._moe_rewrite_compiled_packed_backend
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose(torch.device("cpu"), torch.bfloat16, 192, 128, 0.0) == "mask"
+    probed = []
+    monkeypatch.setattr(packing, "_moe_rewrite_packed_runs", lambda *a: probed.append(a) or True)
+    assert choose(cuda, torch.bfloat16, 192, 128, 0.0) == "varlen"
+    assert probed == [("varlen", cuda, torch.bfloat16, 192, 128)]
+    with pytest.warns(UserWarning, match="document-causal mask .*float32"):
+        assert choose(cuda, torch.float32, 192, 128, 0.0) == "mask"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert choose(cuda, torch.bfloat16, 192, 128, 0.1) == "mask"
+    monkeypatch.setattr(packing, "_moe_rewrite_packed_runs", lambda *a: False)
+    assert choose(cuda, torch.float16, 192, 128, 0.0) == "mask"
+    assert len(probed) == 1  # decided once per device, dtype and head dims

@@ -11,7 +11,12 @@ packed: their sum), a document longer than the budget cut to it. Useful tokens/s
 (no padding) over the timed steps. Native packed runs transformers' own packed-sequence detection (position ids with
 no attention mask: a block-diagonal mask through SDPA's masked kernel; flash-attn, whose varlen kernel transformers
 uses for packing otherwise, is not installed on the device). --check-documents N: the first N documents' losses run
-packed against each alone (eval, bf16), written to the row. bench/e2e/packing.sh runs every row.
+packed against each alone (eval, bf16), written to the row. --compile: `layer.compile()` on each decoder layer, as
+a user adds it (PEFT's base model's layers under LoRA; inductor, or --backend); the row then records the graphs
+traced per step (packed: two steps trace, the second with the lengths dynamic, later ones nothing), and with
+--check-compiled N the first N documents' check again through the compiled layers after the timed steps (eval
+compiles graphs of its own). The rows share weights (seeded) and batches, so a compiled row's losses are comparable
+with the eager row's. bench/e2e/packing.sh runs every row.
 """
 
 from __future__ import annotations
@@ -108,6 +113,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out (flex compiles in the first two)")
     parser.add_argument("--check-documents", type=int, default=8)
     parser.add_argument("--profile", help="write kernel- and host-time tables of the last batch, run once more, here")
+    parser.add_argument("--compile", action="store_true", help="layer.compile() on each decoder layer")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
+    parser.add_argument("--check-compiled", type=int, default=0, help="--check-documents through the compiled layers")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -128,6 +136,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, sizes["vocab_size"], (min(n, budget),), generator=g) for n in lengths]
     row = dict(impl=args.impl, layout=args.layout, mode=args.mode, layers=sizes["num_hidden_layers"], attention=attn)
+    row["compile"] = f"layers ({args.backend})" if args.compile else "none"
     if cuda:
         row["device"] = torch.cuda.get_device_name()
     if args.check_documents:
@@ -142,14 +151,19 @@ def main() -> None:
         lora = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_MODULES, target_parameters=LORA_PARAMETERS)
         model = get_peft_model(model, lora).to(torch.bfloat16)
     model.train()
+    if args.compile:
+        base = model.get_base_model() if args.mode == "lora" else model
+        for layer in base.model.layers:
+            layer.compile(backend=args.backend)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=0.0, fused=cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     plan = batches([len(d) for d in docs], budget, args.layout)[: args.steps]
-    times, useful, padded_tokens, losses = [], [], [], []
+    times, useful, padded_tokens, losses, traced = [], [], [], [], []
     for index in plan:
+        before = graphs_traced()
         batch = make_batch([docs[i] for i in index], args.layout, device)
         sync()
         start = time.perf_counter()
@@ -162,6 +176,7 @@ def main() -> None:
         useful.append(sum(len(docs[i]) for i in index))
         padded_tokens.append(batch["input_ids"].numel())
         losses.append(round(loss.item(), 5))
+        traced.append(graphs_traced() - before)
     if args.profile:  # the last batch once more, profiled, left out of the timing
         kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         batch = make_batch([docs[i] for i in plan[-1]], args.layout, device)
@@ -191,11 +206,36 @@ def main() -> None:
         ],
         losses=losses,
         step_times=[round(t, 4) for t in times],
+        graphs_per_step=traced if args.compile else None,
+        packed_kernels=packed_kernels(model),
         trainable=sum(p.numel() for p in trainable),
     )
     print(json.dumps(row))
     with open(args.out, "w") as f:
         json.dump(row, f)
+    if args.compile and args.check_compiled:  # after the row is written: its compilation is not timed
+        try:
+            row["document_losses_compiled"] = document_losses(model, docs[: args.check_compiled], device)
+        except Exception as e:  # noqa: BLE001
+            row["document_losses_compiled"] = f"error: {type(e).__name__}: {e}"[:400]
+        print(json.dumps(dict(document_losses_compiled=row["document_losses_compiled"])))
+        with open(args.out, "w") as f:
+            json.dump(row, f)
+
+
+def packed_kernels(model) -> dict | None:
+    """The rewritten file's packed-attention choices (its _moe_rewrite_packing_cache: eager keys, and ("compiled",
+    ...) for compiled layers, "varlen" or "mask"), None for native rows."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache = getattr(sys.modules[type(base).__module__], "_moe_rewrite_packing_cache", None)
+    return None if cache is None else {str(k): str(v) for k, v in cache.items()}
+
+
+def graphs_traced() -> int:
+    """The graphs torch.compile has traced so far in this process (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 if __name__ == "__main__":

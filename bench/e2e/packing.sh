@@ -2,9 +2,10 @@
 # Issue #48's packing rows on one GPU (bench/e2e/packing.py), from the repository root on the GPU machine:
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/packing.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
-# ROWS picks rows ("impl:layout:mode:layers:budget ..."); the default is Moonlight's sizes at 8 layers, full and LoRA
-# r16, native and ours, padded and packed. LAYERS27=1 runs the 27-layer LoRA rows instead (part 5). PROFILE=1 writes
-# each row's kernel and host tables of one more step beside its JSON.
+# ROWS picks rows ("impl:layout:mode:layers:budget[:layers] ..."; a last field `layers` compiles each decoder layer,
+# packing.py --compile, and CHECK_COMPILED=N checks N documents through them); the default is Moonlight's sizes at
+# 8 layers, full and LoRA r16, native and ours, padded and packed. LAYERS27=1 runs the 27-layer LoRA rows instead
+# (part 5). PROFILE=1 writes each row's kernel and host tables of one more step beside its JSON.
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -23,11 +24,16 @@ if [ -n "${LAYERS27:-}" ]; then
 moe-rewrite:packed:lora:27:8192"
 fi
 for row in ${ROWS:-$DEFAULT}; do
-  IFS=: read -r impl layout mode layers budget <<<"$row"
-  name="packing_${impl}_${layout}_${mode}_${layers}l_${budget}"
+  IFS=: read -r impl layout mode layers budget compiled <<<"$row"
+  name="packing_${impl}_${layout}_${mode}_${layers}l_${budget}$([ -z "$compiled" ] || echo "_compiled-$compiled")"
   extra=()
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-packing/$impl"); fi
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
+  case "$compiled" in
+    "") ;;
+    layers) extra+=(--compile --check-compiled "${CHECK_COMPILED:-0}") ;;
+    *) echo "row $row: unknown last field '$compiled' (layers compiles each decoder layer)"; continue ;;
+  esac
   start=$(date +%s)
   timeout "${ROW_TIMEOUT:-150}" python3 bench/e2e/packing.py --impl "$impl" --layout "$layout" --mode "$mode" \
     --layers "$layers" --budget "$budget" --steps "${STEPS:-7}" --warmup "${WARMUP:-3}" --out "$OUT/$name.json" \

@@ -29,7 +29,7 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
     """softmax(query·keyᵀ·scale + mask)·value, with dropout p on the probabilities, as the published core computes it.
     `mask` is the file's additive mask (0 where a key is seen, the dtype's lowest value where not) or None: None is the
     causal mask for a query as long as the keys, and no mask for a single query (a decoding step), or packed
-    documents (packing.py), each causal on its own."""
+    documents (packing.py), each causal on its own (in a compiled layer through a boolean mask: True where seen)."""
     if isinstance(mask, _MoeRewriteDocuments):
         return _moe_rewrite_packed_attention(
             query,
@@ -38,7 +38,7 @@ def _moe_rewrite_attention(query, key, value, mask, scale, dropout_p):
             mask,
             scale,
             dropout_p,
-            lambda q, k, v: _moe_rewrite_attention(q, k, v, None, scale, dropout_p),
+            lambda q, k, v, within=None: _moe_rewrite_attention(q, k, v, within, scale, dropout_p),
         )
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if mask is None and q_len > 1 and q_len != kv_len:  # SDPA's is_causal is top-left aligned: wrong with a cache
@@ -149,18 +149,14 @@ def _moe_rewrite_sdpa_mask(
     keys) or a single query. _moe_rewrite_attention then runs SDPA's causal kernel instead of a masked one (cuDNN:
     1.5 ms against 5.3 at 2 x 4096, bench/e2e/PLAN.md). Padding keeps the 4-D mask: padded rows still feed the
     router. One host sync for the all-ones test, as transformers' own SDPA check has; under tracing
-    (torch.compile, torch.fx, torch.jit) always the file's mask. A packed batch (`position_ids`, and `packed` the
-    forward's keyword arguments: packing.py) gets its documents in place of None, or in the file's mask where that
-    is built (eager, attention weights asked for): each document then attends only to itself."""
+    (torch.compile, torch.fx, torch.jit) the file's mask. A packed batch (`position_ids`, and `packed` the forward's
+    keyword arguments: packing.py) gets its documents in place of None, or in the file's mask where that is built
+    (eager, attention weights asked for): each document then attends only to itself. Under torch.compile too: a
+    forward without an attention mask then breaks the graph once where the documents are found (one host sync)."""
     q_len = shape[-1]
-    traced = (
-        torch.jit.is_tracing()
-        or isinstance(embeds, torch.fx.Proxy)
-        or isinstance(mask, torch.fx.Proxy)
-        or torch.compiler.is_compiling()
-    )
+    traced = torch.jit.is_tracing() or isinstance(embeds, torch.fx.Proxy) or isinstance(mask, torch.fx.Proxy)
     documents = None
-    if not traced:
+    if not traced:  # under torch.compile too: the documents are found outside the graph (packing.py)
         documents = _moe_rewrite_documents(config, mask, position_ids, packed, shape, past_length, embeds.device)
     if (
         getattr(config, "_attn_implementation", None) != "sdpa"
@@ -168,6 +164,7 @@ def _moe_rewrite_sdpa_mask(
         or not _moe_rewrite_sdpa_enabled()
         or (past_length != 0 and q_len != 1)
         or traced
+        or (documents is None and torch.compiler.is_compiling())
     ):
         built = build(mask, shape, embeds, past_length)
         return built if documents is None else _moe_rewrite_documents_mask(built, documents)

@@ -1,6 +1,7 @@
 """The kernels packed documents run on (packing.py chooses among them, once per device, dtype and head dims): SDPA per
 document through the caller's causal core, torch's varlen_attn over the flattened tokens, and FlexAttention with a
-document-causal block mask built from the documents with tensor ops.
+document-causal block mask built from the documents with tensor ops. A compiled layer runs varlen_attn or the
+caller's core with packing.py's document-causal mask.
 """
 
 import torch
@@ -28,10 +29,11 @@ def _moe_rewrite_attention_per_document(query, key, value, documents, causal_cor
 
 def _moe_rewrite_varlen(query, key, value, documents, scale):
     """torch.nn.attention.varlen.varlen_attn (torch >= 2.10) over (tokens, heads, dim), causal within each
-    document (window (-1, 0)); value padded to the query's head dim where the kernel needs one dim."""
+    document (window (-1, 0)); value padded to the query's head dim where the kernel needs one dim. Reads the
+    documents' tensors and longest length only (a compiled layer runs it too: varlen_attn is a custom operator)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = documents.cu_seqlens(query.device)
+    cu = documents.cu_seqlens.to(query.device)
     v_dim = value.shape[-1]
     if v_dim != query.shape[-1]:
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - v_dim))
