@@ -37,8 +37,8 @@ class _MoeRewriteDocuments:
     What a compiled layer reads, so that new lengths are new inputs of one graph: `cu_seqlens`, int32 on the
     device, where each document begins in the batch's tokens flattened to one row, its last entry the number of
     tokens; `ids` (rows, tokens), the document of each token, on the device; `max_length`, the longest document (an
-    int that torch.compile makes dynamic once it changes). Eager paths also read `starts`, `cu_seqlens` as host
-    ints."""
+    int that torch.compile makes dynamic once it changes). The eager paths also read `starts`, the same boundaries
+    as host ints."""
 
     def __init__(self, starts, ids):
         self.starts, self.ids = starts, ids
@@ -91,7 +91,7 @@ def _moe_rewrite_documents_untraced(position_ids, cu, cu_k, shape, device):
     flat = bounds.reshape(-1)
     found = torch.nonzero(flat).reshape(-1).tolist()  # the host sync
     if len(found) == rows:
-        return None
+        return None  # one document per row: the causal mask is the published one
     if "warned" not in _moe_rewrite_packing_cache:
         _moe_rewrite_packing_cache["warned"] = True
         import warnings
