@@ -62,7 +62,9 @@ test: venv compat-envs
 	.venv-tf/$(LORA_RELEASE)/bin/python -m pytest -q tests/test_lora_parameters.py -k "$(LORA_V5_TESTS)"
 
 # The inner loop (under 3 minutes on CI's 2 cores): ruff, then the tests not marked slow or gpu (pyproject.toml's
-# markers); `make test` runs them all.
+# markers); `make test` runs them all. Only `make test` covers: torch.compile, the Trainer and examples/ runs,
+# use_mla=False, gradient checkpointing of the default model, the hub's cache fallback, the fp8-compute banner,
+# ESFT's per-expert default, expert parallelism's processes, the pre-commit hooks and the installed wheel.
 test-fast: venv
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .

@@ -117,6 +117,23 @@ def test_compiled_model_evaluates_as_eager(fused):
             assert rel_err(run(input_ids=ids).logits, eager(input_ids=ids).logits) < REL
 
 
+def test_compiled_layers_evaluate_as_eager_without_a_graph_per_expert(fused):
+    """Eval mode's published moe_infer loops over the experts in Python and calls each one's module: compiled, that
+    was a graph per expert (each view guards on its index) until dynamo's recompile limit (8), then eager. Compiled,
+    the experts run as one grouped product instead: the eager model's numbers, a few graphs, none per new batch."""
+    eager = build_model(fused, **ONE_MOE_LAYER, n_routed_experts=16).eval()
+    model = copy.deepcopy(eager)
+    compile_layers(model)
+    traced = []
+    with torch.no_grad():
+        for seed in range(3):
+            before = graphs()
+            ids = tokens(12, seed=seed)
+            assert rel_err(model(input_ids=ids).logits, eager(input_ids=ids).logits) < REL
+            traced.append(graphs() - before)
+    assert 0 < traced[0] < 8 and traced[1:] == [0, 0], traced
+
+
 @pytest.mark.parametrize("targets", ["target_parameters", "target_modules"])
 def test_compiled_layers_train_lora_under_checkpointing_as_eager(fused, per_expert, targets):
     """PEFT LoRA r4 on every routed expert: on the fused parameters (target_parameters) and on per-expert nn.Linear

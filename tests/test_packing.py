@@ -75,8 +75,10 @@ def _assert_close(got, want, tol=2e-5):
     assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 
-@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "cu-seq-lens"])
-@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
+@pytest.mark.parametrize(
+    "flash_kwargs",
+    [pytest.param(False, marks=pytest.mark.slow, id="position-ids"), pytest.param(True, id="cu-seq-lens")],
+)  # one case in `make test-fast` (over 10 s each on CI's 2 cores); the compiled path's tests are slow
 def test_a_packed_batch_is_each_document_alone(patched, form, flash_kwargs):
     model = _model(patched)
     docs = _documents(model.config.vocab_size)
@@ -168,7 +170,6 @@ def test_num_items_in_batch_makes_the_loss_independent_of_the_micro_batches(patc
         _assert_close(dict(model.named_parameters())[name].grad, grad, tol=1e-4)
 
 
-@pytest.mark.slow  # over 10 s on CI's 2 cores: `make test-fast` leaves it out
 def test_forwards_without_kwargs_get_them_and_every_edit_is_taken_back():
     source = (FORM_DIRS["v3"] / "modeling_deepseek.py").read_text()
     plain = source.replace(
@@ -280,6 +281,7 @@ def test_a_compiled_layer_takes_varlen_where_it_runs_else_the_mask_with_one_warn
     monkeypatch.setattr(packing, "_moe_rewrite_packed_runs", lambda *a: probed.append(a) or True)
     assert choose(cuda, torch.bfloat16, 192, 128, 0.0) == "varlen"
     assert probed == [("varlen", cuda, torch.bfloat16, 192, 128)]
+    assert choose(cuda, torch.bfloat16, 192, 128, 0.0) == "varlen"  # the cached decision: no second probe
     with pytest.warns(UserWarning, match="document-causal mask .*float32"):
         assert choose(cuda, torch.float32, 192, 128, 0.0) == "mask"
     with warnings.catch_warnings():

@@ -135,11 +135,13 @@ class MoE:
         passes flat ids and (tokens * top_k, 1) weights (moe-rewrite proved them views of the (tokens, top_k) ones);
         moe_train takes them per token. Under expert parallelism moe_train runs them too (moe_infer's own exchange
         needs ep_size == world size and even splits on gloo), where FSDP2 shards the experts on their own
-        (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run), and for FP8 experts (moe_infer
-        would dequantize them one by one)."""
+        (moe_rewrite_fully_shard: FSDP2 gathers them around their moe_rewrite_run), for FP8 experts (moe_infer
+        would dequantize them one by one), and under torch.compile (moe_infer's loop reads the token counts on the
+        host and calls each expert's own module: a graph per expert, past dynamo's recompile limit)."""
         own_unit = _moe_rewrite_fsdp2_unit(self.experts)
         fp8 = getattr(_moe_rewrite_unwrap(self.experts)[0], "moe_rewrite_fp8", lambda: False)()
-        if hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1 and not (own_unit or fp8):
+        indexable = hasattr(type(self.experts), "__getitem__") and getattr(self, "ep_size", 1) <= 1
+        if indexable and not (own_unit or fp8 or torch.compiler.is_compiling()):
             return self.moe_infer(x, topk_ids, topk_weight)
         tokens = x.shape[0]
         with torch.no_grad():

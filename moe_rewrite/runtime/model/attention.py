@@ -148,11 +148,12 @@ def _moe_rewrite_sdpa_mask(
     for) and that mask would only be causal: no 2-D mask or one of all ones, and no cache (the queries are all the
     keys) or a single query. _moe_rewrite_attention then runs SDPA's causal kernel instead of a masked one (cuDNN:
     1.5 ms against 5.3 at 2 x 4096, bench/e2e/PLAN.md). Padding keeps the 4-D mask: padded rows still feed the
-    router. One host sync for the all-ones test, as transformers' own SDPA check has; under tracing
-    (torch.compile, torch.fx, torch.jit) the file's mask. A packed batch (`position_ids`, and `packed` the forward's
-    keyword arguments: packing.py) gets its documents in place of None, or in the file's mask where that is built
-    (eager, attention weights asked for): each document then attends only to itself. Under torch.compile too: a
-    forward without an attention mask then breaks the graph once where the documents are found (one host sync)."""
+    router. One host sync for the all-ones test, as transformers' own SDPA check has; under torch.fx or torch.jit
+    tracing the file's mask, under torch.compile the file's mask unless the batch is packed. A packed batch
+    (`position_ids`, and `packed` the forward's keyword arguments: packing.py) gets its documents in place of None,
+    or in the file's mask where that is built (eager, attention weights asked for): each document then attends only
+    to itself. Under torch.compile a forward without an attention mask breaks the graph once where the documents
+    are found (one host sync)."""
     q_len = shape[-1]
     traced = torch.jit.is_tracing() or isinstance(embeds, torch.fx.Proxy) or isinstance(mask, torch.fx.Proxy)
     documents = None

@@ -21,8 +21,9 @@ from .packed_attention import (
     _moe_rewrite_varlen,
 )
 
-# "warned" -> the ambiguous-batch warning was given; (device, dtype, q/k dim, v dim) -> the packed backend ("flex",
-# "varlen" or "sdpa")
+# "warned" / "warned_mask" -> the ambiguous-batch / compiled-mask warning was given; (device, dtype, q/k dim, v dim,
+# forced) -> the eager packed backend ("flex", "varlen" or "sdpa"); ("compiled", device, dtype, q/k dim, v dim,
+# dropout > 0, forced) -> a compiled layer's ("varlen" or "mask")
 _moe_rewrite_packing_cache = {}
 # Where the longest document holds at least this share of the tokens, SDPA per document (cuDNN's causal kernel over
 # it) beats the variable-length kernels over the whole row (bench/packing_probe.py on an H100, 8192 tokens, forward +
