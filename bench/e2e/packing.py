@@ -32,7 +32,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from native import LORA_MODULES, LORA_PARAMETERS, MOONLIGHT, TINY, file_model, native_model  # noqa: E402
+from native import (  # noqa: E402
+    LORA_MODULES,
+    LORA_PARAMETERS,
+    MOONLIGHT,
+    TINY,
+    file_model,
+    graph_counts,
+    native_model,
+)
 
 
 def lognormal_lengths(count: int, median: float, tail: int, seed: int) -> list[int]:
@@ -163,7 +171,7 @@ def main() -> None:
     plan = batches([len(d) for d in docs], budget, args.layout)[: args.steps]
     times, useful, padded_tokens, losses, traced = [], [], [], [], []
     for index in plan:
-        before = graphs_traced()
+        before = graph_counts()[0]
         batch = make_batch([docs[i] for i in index], args.layout, device)
         sync()
         start = time.perf_counter()
@@ -176,7 +184,7 @@ def main() -> None:
         useful.append(sum(len(docs[i]) for i in index))
         padded_tokens.append(batch["input_ids"].numel())
         losses.append(round(loss.item(), 5))
-        traced.append(graphs_traced() - before)
+        traced.append(graph_counts()[0] - before)
     if args.profile:  # the last batch once more, profiled, left out of the timing
         kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         batch = make_batch([docs[i] for i in plan[-1]], args.layout, device)
@@ -229,13 +237,6 @@ def packed_kernels(model) -> dict | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cache = getattr(sys.modules[type(base).__module__], "_moe_rewrite_packing_cache", None)
     return None if cache is None else {str(k): str(v) for k, v in cache.items()}
-
-
-def graphs_traced() -> int:
-    """The graphs torch.compile has traced so far in this process (dynamo's counter)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 if __name__ == "__main__":
