@@ -53,13 +53,23 @@ def tokens(length, seed=0, batch=2):
     return torch.randint(0, 256, (batch, length), generator=generator)
 
 
-def step(model, run, ids):
-    """One training step's loss and the trainable parameters' gradients (then cleared)."""
-    loss = run(input_ids=ids, labels=ids).loss
-    loss.backward()
+def taken_grads(model):
+    """The gradients of the trainable parameters, then cleared."""
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+    return grads
+
+
+def batch_step(model, run, batch):
+    """One training step's loss on `batch` (keyword arguments of the forward) and its gradients (then cleared)."""
+    loss = run(**batch).loss
+    loss.backward()
+    return loss.detach(), taken_grads(model)
+
+
+def step(model, run, ids):
+    """One training step on `ids` as inputs and labels: its loss and gradients (then cleared)."""
+    return batch_step(model, run, dict(input_ids=ids, labels=ids))
 
 
 def assert_same_step(eager, compiled):
@@ -242,23 +252,13 @@ def packed_batch(lengths, vocab, seed, flash_kwargs=False):
     return docs, batch
 
 
-def packed_step(model, run, batch):
-    loss = run(**batch).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def alone_step(model, docs):
     """Each document run alone: the token losses summed over all documents, over their count, and its gradients
     (what the packed batch's mean loss over its labels is); a document of one token has no label."""
     total = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs if len(d) > 1)
     count = sum(len(d) - 1 for d in docs)
     (total / count).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return total.detach() / count, grads
+    return total.detach() / count, taken_grads(model)
 
 
 def recording(functions):
@@ -301,8 +301,8 @@ def test_compiled_packed_batches_are_each_document_alone_and_trace_twice(fused, 
         before = graphs()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the packed-batch warning
-            got = packed_step(model, run, batch)
-            want = packed_step(eager, eager, batch)
+            got = batch_step(model, run, batch)
+            want = batch_step(eager, eager, batch)
         traced.append(graphs() - before)
         alone = alone_step(eager, docs)
         assert_same_step(want, got)
