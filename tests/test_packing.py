@@ -272,6 +272,7 @@ def test_the_document_causal_mask_over_several_rows():
 def test_a_compiled_layer_takes_varlen_where_it_runs_else_the_mask_with_one_warning_on_cuda(monkeypatch):
     """The kernel a compiled layer runs packed documents on, decided at tracing (packing.py): the CPU and a CUDA
     batch varlen_attn does not take (float32, dropout, the probe failing) get the mask, CUDA with one warning."""
+    monkeypatch.setattr(packing, "_moe_rewrite_packing_cache", {})  # no decision or warning from an earlier test
     choose = packing._moe_rewrite_compiled_packed_backend
     cuda = torch.device("cuda")
     with warnings.catch_warnings():
