@@ -9,7 +9,8 @@ by moe-rewrite, on the same weights and the same batches (issue #34). One proces
 `apply_liger_kernel_to_deepseek_v3(swiglu=False)` (RMSNorm, RoPE, fused linear cross-entropy); any other name: the
 rewritten file in --ckpt (a directory the CLI wrote: code + config). Weights: native's initial weights from seed 0,
 loaded into the rewritten model (fused experts: the same key names; per-expert layouts get them split), so the first
-losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False), random
+losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False; off with
+--checkpointing none, to see what recomputation costs and holds), random
 token ids from a fixed seed; the time is the median of the steps after --warmup. bench/e2e/native.sh runs every row.
 
 --fp8 w8a16|compute (issue #49; --ckpt rewritten with --fp8-experts): the same initial weights as an FP8 checkpoint as
@@ -254,7 +255,8 @@ def experts_gb(model: torch.nn.Module) -> float:
 
 
 def label(args) -> str:
-    return args.impl if args.compile == "none" else f"{args.impl} compiled-{args.compile}"
+    compiled = "" if args.compile == "none" else f" compiled-{args.compile}"
+    return f"{args.impl}{compiled}{' no-ckpt' if args.checkpointing == 'none' else ''}"
 
 
 def main() -> None:
@@ -269,6 +271,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--profile", help="write a kernel-time table of the last two steps to this file")
     parser.add_argument("--compile", choices=["none", "layers", "model"], default="none")
+    parser.add_argument(
+        "--checkpointing",
+        choices=["layers", "none"],
+        default="layers",
+        help="gradient checkpointing of every decoder layer (the default) or none: what recomputation costs",
+    )
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
     parser.add_argument("--fp8", choices=["w8a16", "compute"], help="the file in --ckpt on an FP8 checkpoint")
@@ -313,7 +321,8 @@ def run(args) -> None:
     else:
         model, attn = file_model(args.ckpt, sizes, device)
     cuda = device == "cuda"
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.checkpointing == "layers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -365,6 +374,7 @@ def run(args) -> None:
         impl=label(args),
         mode=args.mode,
         compile=args.compile,
+        checkpointing=args.checkpointing,
         first_step_s=round(times[0], 2),
         graphs=graphs[-1][0],
         graph_breaks=graphs[-1][1],

@@ -2,7 +2,8 @@
 # Issue #34's end-to-end rows on one GPU (bench/e2e/native.py), from the repository root on the GPU machine:
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/native.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
-# ROWS picks rows ("impl:mode:batch:seq[:compile] ...", compile none, layers or model: native.py --compile); OPTOUTS
+# ROWS picks rows ("impl:mode:batch:seq[:compile[:checkpointing]] ...", compile none, layers or model: native.py
+# --compile; checkpointing layers, the default, or none: native.py --checkpointing); OPTOUTS
 # are the options of the "published-attention" file (every whole-model rewrite off, the MoE rewrite kept); PROFILE=1
 # writes kernel tables. fp8-w8a16 and fp8-compute rows: the file rewritten with --fp8-experts (--fp8-compute) on an
 # FP8 checkpoint of the same weights (native.py --fp8, issue #49). libcst, peft and Liger come from the wheels in .whl/
@@ -34,18 +35,21 @@ if [[ $ROWS == *naive-loop* ]]; then
   python3 -m moe_rewrite "$src" --out /tmp/e2e-native/naive-loop --backend loop --no-fuse-experts ${OPTOUTS:---no-sdpa}
 fi
 for row in $ROWS; do
-  IFS=: read -r impl mode batch seq compile <<<"$row"
+  IFS=: read -r impl mode batch seq compile checkpointing <<<"$row"
   compile=${compile:-none}
+  checkpointing=${checkpointing:-layers}
   name="native_${impl}_${mode}_${batch}x${seq}$([ "$compile" = none ] || echo "_compiled-$compile")"
+  name+=$([ "$checkpointing" = layers ] || echo "_no-ckpt")
   extra=()
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-native/$impl"); fi
   if [[ $impl == fp8-* ]]; then extra+=(--fp8 "${impl#fp8-}"); fi
   timeout "${ROW_TIMEOUT:-600}" python3 bench/e2e/native.py --impl "$impl" --mode "$mode" --batch "$batch" \
-    --seq "$seq" --steps "${STEPS:-8}" --compile "$compile" --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
+    --seq "$seq" --steps "${STEPS:-8}" --compile "$compile" --checkpointing "$checkpointing" \
+    --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
     grep -v "Warning\|warn(" || echo "row $row failed"
   if [ ! -f "$OUT/$name.json" ]; then  # killed (ROW_TIMEOUT, out of memory): the row still says so
-    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")
+    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")$([ "$checkpointing" = layers ] || echo " no-ckpt")
     printf '{"impl": "%s", "mode": "%s", "seq": "%sx%s", "compile": "%s", "error": "no result (timeout %ss or killed)"}\n' \
       "$label" "$mode" "$batch" "$seq" "$compile" "${ROW_TIMEOUT:-600}" >"$OUT/$name.json"
   fi
