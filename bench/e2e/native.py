@@ -10,7 +10,8 @@ by moe-rewrite, on the same weights and the same batches (issue #34). One proces
 rewritten file in --ckpt (a directory the CLI wrote: code + config). Weights: native's initial weights from seed 0,
 loaded into the rewritten model (fused experts: the same key names; per-expert layouts get them split), so the first
 losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False; off with
---checkpointing none, to see what recomputation costs and holds), random
+--checkpointing none, to see what recomputation costs and holds; --checkpointing selective keeps the products' and
+attention's outputs), random
 token ids from a fixed seed; the time is the median of the steps after --warmup. bench/e2e/native.sh runs every row.
 
 --fp8 w8a16|compute (issue #49; --ckpt rewritten with --fp8-experts): the same initial weights as an FP8 checkpoint as
@@ -100,6 +101,33 @@ QUANTIZATION_CONFIG = {
 }
 LORA_MODULES = r".*\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)"
 LORA_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def saved_ops() -> set:
+    """--checkpointing selective: the operators whose outputs a checkpointed layer keeps instead of recomputing them,
+    the matrix products and the attention kernels (torchtitan's selective policy, every product kept): what is left to
+    recompute is elementwise. Both models reach them as the same aten operators (grouped_mm for the experts)."""
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_cudnn_attention"]
+    names += ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"]
+    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+
+
+def checkpointing_kwargs(how: str) -> dict:
+    """gradient_checkpointing_kwargs for --checkpointing `how` (layers or selective)."""
+    kwargs = {"use_reentrant": False}
+    if how == "selective":
+        import functools
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        keep = saved_ops()
+
+        def policy(ctx, op, *args, **kw):
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    return kwargs
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict:
@@ -256,7 +284,8 @@ def experts_gb(model: torch.nn.Module) -> float:
 
 def label(args) -> str:
     compiled = "" if args.compile == "none" else f" compiled-{args.compile}"
-    return f"{args.impl}{compiled}{' no-ckpt' if args.checkpointing == 'none' else ''}"
+    checkpointing = {"layers": "", "none": " no-ckpt", "selective": " selective-ckpt"}[args.checkpointing]
+    return f"{args.impl}{compiled}{checkpointing}"
 
 
 def main() -> None:
@@ -273,9 +302,10 @@ def main() -> None:
     parser.add_argument("--compile", choices=["none", "layers", "model"], default="none")
     parser.add_argument(
         "--checkpointing",
-        choices=["layers", "none"],
+        choices=["layers", "selective", "none"],
         default="layers",
-        help="gradient checkpointing of every decoder layer (the default) or none: what recomputation costs",
+        help="gradient checkpointing of every decoder layer (the default), selective (saving what SAVED_OPS return: "
+        "torch's selective activation checkpointing, eager layers only) or none: what recomputation costs",
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
@@ -321,8 +351,8 @@ def run(args) -> None:
     else:
         model, attn = file_model(args.ckpt, sizes, device)
     cuda = device == "cuda"
-    if args.checkpointing == "layers":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.checkpointing != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(args.checkpointing))
     if args.mode == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -3,7 +3,7 @@
 #   MODELING=path/to/modeling_deepseek.py bash bench/e2e/native.sh
 # MODELING is the published DeepSeek-V3/R1 file (not in this repository; without it our stand-in fixture is used).
 # ROWS picks rows ("impl:mode:batch:seq[:compile[:checkpointing]] ...", compile none, layers or model: native.py
-# --compile; checkpointing layers, the default, or none: native.py --checkpointing); OPTOUTS
+# --compile; checkpointing layers, the default, selective or none: native.py --checkpointing); OPTOUTS
 # are the options of the "published-attention" file (every whole-model rewrite off, the MoE rewrite kept); PROFILE=1
 # writes kernel tables. fp8-w8a16 and fp8-compute rows: the file rewritten with --fp8-experts (--fp8-compute) on an
 # FP8 checkpoint of the same weights (native.py --fp8, issue #49). libcst, peft and Liger come from the wheels in .whl/
@@ -39,7 +39,8 @@ for row in $ROWS; do
   compile=${compile:-none}
   checkpointing=${checkpointing:-layers}
   name="native_${impl}_${mode}_${batch}x${seq}$([ "$compile" = none ] || echo "_compiled-$compile")"
-  name+=$([ "$checkpointing" = layers ] || echo "_no-ckpt")
+  ckpt_label=$(case $checkpointing in none) echo " no-ckpt" ;; selective) echo " selective-ckpt" ;; esac)
+  name+=${ckpt_label// /_}
   extra=()
   if [ -n "${PROFILE:-}" ]; then extra+=(--profile "$OUT/$name.profile.txt"); fi
   if [[ $impl != native* ]]; then extra+=(--ckpt "/tmp/e2e-native/$impl"); fi
@@ -49,7 +50,7 @@ for row in $ROWS; do
     --out "$OUT/$name.json" "${extra[@]}" 2>&1 |
     grep -v "Warning\|warn(" || echo "row $row failed"
   if [ ! -f "$OUT/$name.json" ]; then  # killed (ROW_TIMEOUT, out of memory): the row still says so
-    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")$([ "$checkpointing" = layers ] || echo " no-ckpt")
+    label=$impl$([ "$compile" = none ] || echo " compiled-$compile")$ckpt_label
     printf '{"impl": "%s", "mode": "%s", "seq": "%sx%s", "compile": "%s", "error": "no result (timeout %ss or killed)"}\n' \
       "$label" "$mode" "$batch" "$seq" "$compile" "${ROW_TIMEOUT:-600}" >"$OUT/$name.json"
   fi
