@@ -392,13 +392,19 @@ def run(args) -> None:
         times.append(step(i))
         graphs.append(graph_counts())
     if args.profile:  # two more steps, profiled, left out of the timing
-        kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-        with torch.profiler.profile(activities=[kind]) as profiler:
+        kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=kinds, record_shapes=True) as profiler:
             step(args.steps), step(args.steps + 1)
         order = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90)
+        # the operators (with their input shapes) that launched the time: where a kernel of the first table comes from
+        total = "cuda_time_total" if cuda else "cpu_time_total"
+        ops = profiler.key_averages(group_by_input_shape=True).table(
+            sort_by=total, row_limit=60, max_name_column_width=60, max_shapes_column_width=100
+        )
         with open(args.profile, "w") as f:
             f.write(f"{args.impl} {args.mode} {args.batch}x{args.seq}, 2 steps after the timed ones\n{table}\n")
+            f.write(f"\nBy operator and input shapes (time including what each launched):\n{ops}\n")
     step_s = statistics.median(times[args.warmup :])
     row = dict(
         impl=label(args),
