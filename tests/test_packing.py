@@ -151,6 +151,26 @@ def test_an_unpacked_batch_and_generation_are_unchanged(patched, form):
     assert torch.equal(got, want)
 
 
+def test_only_position_ids_the_caller_passes_are_searched_for_documents(patched, form, monkeypatch):
+    """Finding documents costs a host sync (and a graph break under torch.compile(model)): a batch without an
+    attention mask and without position ids (the forward makes them: never packed) skips it, one with position ids
+    still gets it, and the two give the same logits."""
+    import sys
+
+    model = _model(patched).eval()
+    module = sys.modules[type(model).__module__]
+    searched = []
+    untraced = module._moe_rewrite_documents_untraced
+    monkeypatch.setattr(module, "_moe_rewrite_documents_untraced", lambda *a: searched.append(a) or untraced(*a))
+    ids = torch.randint(2, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        assert searched == []
+        given = model(input_ids=ids, position_ids=torch.arange(9)[None].expand(2, -1)).logits
+    assert len(searched) == 1
+    assert torch.equal(plain, given)
+
+
 def test_num_items_in_batch_makes_the_loss_independent_of_the_micro_batches(patched, form):
     model = _model(patched).train()
     docs = _documents(model.config.vocab_size, (6, 3, 8, 5, 4))
@@ -194,6 +214,15 @@ def test_position_ids_rebound_after_the_mask_leave_the_model_as_published():
     result = rewrite_source(edited, RewriteOptions())
     assert "packed=kwargs" not in result.text
     assert any("packing" in str(n) and "rebound" in str(n) for n in result.notes)
+
+
+def test_a_forward_that_already_names_our_flag_is_left_as_published():
+    source = (FORM_DIRS["v3"] / "modeling_deepseek.py").read_text()
+    anchor = "        hidden_states = inputs_embeds\n        all_hidden_states"
+    edited = source.replace(anchor, "        moe_rewrite_positions_given = False\n" + anchor)
+    result = rewrite_source(edited, RewriteOptions())
+    assert "packed=kwargs" not in result.text
+    assert any("packing" in str(n) and "moe_rewrite_positions_given" in str(n) for n in result.notes)
 
 
 @pytest.mark.parametrize(

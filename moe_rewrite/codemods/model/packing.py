@@ -16,9 +16,14 @@ each, no attention mask, and with `return_flash_attn_kwargs=True` the keyword ar
         if not return_dict:
     # After
     def forward(self, input_ids=None, ..., return_dict=None, **moe_rewrite_kwargs):
+        moe_rewrite_positions_given = position_ids is not None
         ...
         attention_mask = _moe_rewrite_sdpa_mask(
-            ..., inputs_embeds, past_key_values_length, position_ids=position_ids, packed=moe_rewrite_kwargs
+            ...,
+            inputs_embeds,
+            past_key_values_length,
+            position_ids=position_ids if moe_rewrite_positions_given else None,
+            packed=moe_rewrite_kwargs,
         )
     def forward(self, input_ids=None, ..., return_dict=None, **moe_rewrite_kwargs):
         # moe-rewrite: the collator's keyword arguments (cu_seq_lens_*) reach the Model
@@ -30,7 +35,9 @@ each, no attention mask, and with `return_flash_attn_kwargs=True` the keyword ar
 
 A forward that already takes `**kwargs` keeps its own name for them. At run time (runtime/model/packing.py) the
 mask call hands the layers the documents in place of the mask where the batch is packed, and every other batch
-gets what it got before. Proven first: the Model's `position_ids` is its parameter, not rebound after the mask call
+gets what it got before. The position ids reach it only where the caller passed them: those the forward makes
+itself (arange) are never packed, so a batch without them needs no host sync to tell (and no graph break under
+torch.compile(model)). Proven first: the Model's `position_ids` is its parameter, not rebound after the mask call
 and passed on by keyword (the position ids RoPE reads); the ForCausalLM calls `self.model(...)` once, of a Model
 class proven here, without `*`/`**` arguments, and binds `loss` in top-level statements with `labels` its
 parameter, not rebound. Otherwise left as published, with a line. Every run first takes back an earlier one's
@@ -56,6 +63,8 @@ KWARGS = "moe_rewrite_kwargs"  # the `**` parameter added where a forward has no
 MASK_CALL = "_moe_rewrite_sdpa_mask"
 ITEMS_CALL = "_moe_rewrite_items_loss"
 MODEL_NOTE = f"{MARK}: the collator's keyword arguments (cu_seq_lens_*) reach the Model"
+GIVEN = "moe_rewrite_positions_given"  # whether the caller passed position ids, bound first in the Model's forward
+GIVEN_NOTE = f"{MARK}: position ids the forward makes itself are never packed (no host sync to find documents)"
 ITEMS_NOTE = f"{MARK}: the Trainer's num_items_in_batch (gradient accumulation): the loss summed over them"
 DONE = (
     "packed batches (DataCollatorWithFlattening: position_ids restarting without attention_mask, cu_seq_lens_*) attend "
@@ -112,7 +121,16 @@ def _prove_model(forward: cst.FunctionDef, at: int) -> str | None:
     star = forward.params.star_kwarg
     if star is not None and any(star.name.value in _names(s, True) for s in _body(forward)):
         return f"`{star.name.value}` is rebound in its forward"
+    if any(GIVEN in _names(s, True) or GIVEN in _names(s, False) for s in _body(forward)):
+        return f"its forward already names `{GIVEN}`"
     return None
+
+
+def _docstring_end(body: list[cst.BaseStatement]) -> int:
+    """Where the statements after the function's docstring (if any) begin."""
+    first = body[0] if body else None
+    docstring = m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString())])
+    return 1 if first is not None and m.matches(first, docstring) else 0
 
 
 def _model_call(forward: cst.FunctionDef) -> int | str:
@@ -168,7 +186,7 @@ def _noted(stmt: cst.BaseStatement, note: str) -> bool:
 def _undo_forward(forward: cst.FunctionDef, index: Index) -> cst.FunctionDef:
     body, changed = [], False
     for stmt in _body(forward):
-        if isinstance(stmt, cst.SimpleStatementLine) and _noted(stmt, ITEMS_NOTE):
+        if isinstance(stmt, cst.SimpleStatementLine) and (_noted(stmt, ITEMS_NOTE) or _noted(stmt, GIVEN_NOTE)):
             changed = True
             continue
         if isinstance(stmt, cst.SimpleStatementLine) and _noted(stmt, MODEL_NOTE):
@@ -233,7 +251,7 @@ def _appended(call: cst.Call, arg: cst.Arg) -> list[cst.Arg]:
 def _keyword(name: str, value: str) -> cst.Arg:
     no_space = cst.SimpleWhitespace("")
     equal = cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space)
-    return cst.Arg(keyword=cst.Name(name), value=cst.Name(value), equal=equal)
+    return cst.Arg(keyword=cst.Name(name), value=cst.parse_expression(value), equal=equal)
 
 
 def _without(call: cst.Call, drop) -> cst.Call:
@@ -263,10 +281,13 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
             continue
         new, kwargs = _with_kwargs(forward)
         call = found[1]
-        wrapped = call.with_changes(args=_appended(call, _keyword("position_ids", "position_ids")))
+        given = _keyword("position_ids", f"position_ids if {GIVEN} else None")
+        wrapped = call.with_changes(args=_appended(call, given))
         wrapped = wrapped.with_changes(args=_appended(wrapped, _keyword("packed", kwargs)))
         new = cst.ensure_type(new.deep_replace(_mask_statement(new)[1], wrapped), cst.FunctionDef)  # type: ignore[index]
-        module = replace(module, forward, new)
+        body = _body(new)
+        body.insert(_docstring_end(body), _marked(f"{GIVEN} = position_ids is not None\n", GIVEN_NOTE, module))
+        module = replace(module, forward, new.with_changes(body=new.body.with_changes(body=body)))
         models.append(name)
     for name, cls in top_classes(module).items():
         forward = class_methods(cls).get("forward")

@@ -67,7 +67,9 @@ def _moe_rewrite_documents(config, mask, position_ids, packed, shape, past_lengt
     return _moe_rewrite_documents_untraced(position_ids, cu, packed.get("cu_seq_lens_k"), shape, device)
 
 
-@torch.compiler.disable  # host logic: one graph break of a compiled Model's forward, and one host sync, per forward
+# host logic: one graph break of a compiled Model's forward and one host sync, per forward given position ids (those
+# the Model makes itself reach _moe_rewrite_documents as None: codemods/model/packing.py)
+@torch.compiler.disable
 def _moe_rewrite_documents_untraced(position_ids, cu, cu_k, shape, device):
     """_moe_rewrite_documents' documents from `cu` (the collator's cu_seq_lens_q) or the position ids, or None where
     every row is one document (the causal mask is the published one). Runs eagerly, also under torch.compile: its
