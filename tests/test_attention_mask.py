@@ -119,7 +119,7 @@ WRAPPED = """\
                 (batch_size, seq_length),
                 inputs_embeds,
                 past_length,
-                position_ids=position_ids,
+                position_ids=position_ids if moe_rewrite_positions_given else None,
                 packed=kwargs,
             )
 """
