@@ -11,8 +11,8 @@ rewritten file in --ckpt (a directory the CLI wrote: code + config). Weights: na
 loaded into the rewritten model (fused experts: the same key names; per-expert layouts get them split), so the first
 losses agree. Step: forward with labels, backward, fused AdamW, gradient checkpointing (use_reentrant=False; off with
 --checkpointing none, to see what recomputation costs and holds; --checkpointing selective keeps the products' and
-attention's outputs), random
-token ids from a fixed seed; the time is the median of the steps after --warmup. bench/e2e/native.sh runs every row.
+attention's outputs), random token ids from a fixed seed; the time is the median of the steps after --warmup.
+bench/e2e/native.sh runs every row.
 
 --fp8 w8a16|compute (issue #49; --ckpt rewritten with --fp8-experts): the same initial weights as an FP8 checkpoint as
 DeepSeek ships V3/R1 (every nn.Linear's weight but lm_head's, the routed experts' expert by expert, float8_e4m3fn codes
@@ -304,8 +304,8 @@ def main() -> None:
         "--checkpointing",
         choices=["layers", "selective", "none"],
         default="layers",
-        help="gradient checkpointing of every decoder layer (the default), selective (saving what SAVED_OPS return: "
-        "torch's selective activation checkpointing, eager layers only) or none: what recomputation costs",
+        help="gradient checkpointing of every decoder layer (the default), selective (keeping the outputs of "
+        "saved_ops(): torch's selective activation checkpointing, eager layers only) or none: what recomputation costs",
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: a quick smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a smoke test of this script")
