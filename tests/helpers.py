@@ -1,15 +1,19 @@
-"""Helpers shared by the test modules that build MoE layers: references to compare them with, and LoRA steps (test
-modules import these from here, never from each other)."""
+"""Helpers shared by the test modules that build MoE layers: references to compare them with, and LoRA steps; and
+the rows of bench/e2e/native.py (test modules import these from here, never from each other)."""
 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import model_module, runtime_env  # noqa: E402
+from conftest import ROOT, V3_DIR, model_module, run_cli, runtime_env  # noqa: E402
 
 from moe_rewrite.runtime.experts import fusing, parameter_lora, per_expert  # noqa: E402
 from moe_rewrite.runtime.moe import moe_train  # noqa: E402
@@ -215,3 +219,20 @@ def grouped_then_looped(monkeypatch, model, adapted, ids, kernel=None):
         grouped = step(adapted, ids)
     runtime_env(monkeypatch, "MOE_REWRITE_BACKEND", "loop")
     return grouped, step(adapted, ids)
+
+
+def rewritten_v3(out: Path, *options: str) -> Path:
+    """The V3 stand-in rewritten by the CLI into `out` with `options`."""
+    code, _, err = run_cli(V3_DIR, "--out", out, *options)
+    assert code == 0, err
+    return out
+
+
+def native_row(args: str, out: Path) -> dict:
+    """The row bench/e2e/native.py writes to `out`, run as a script with `args` (space-separated) on the CPU; a row
+    that records an error fails the test with the script's stderr."""
+    command = [sys.executable, "bench/e2e/native.py", *args.split(), "--out", str(out)]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    row = json.loads(out.read_text())
+    assert "error" not in row, run.stderr[-3000:]
+    return row

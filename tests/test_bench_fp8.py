@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from fp8 import dequantize_blockwise, quantize_blockwise, quantize_rows  # noqa: E402
+from helpers import native_row, rewritten_v3  # noqa: E402
 
 from moe_rewrite.runtime.moe import grouped_mm  # noqa: E402
 
@@ -211,20 +212,12 @@ def test_the_e2e_fp8_rows_run_on_the_cpu_at_tiny_sizes(tmp_path):
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    code = tmp_path / "fp8-code"
-    fixture = root / "fixtures" / "deepseek_v3"
-    rewrite = [sys.executable, "-m", "moe_rewrite", str(fixture), "--out", str(code), "--fp8-compute"]
-    subprocess.run(rewrite, check=True, cwd=root, capture_output=True)
+    code = rewritten_v3(tmp_path / "fp8-code", "--fp8-compute")
     rows = {}
     for mode in ("w8a16", "compute"):
-        out = tmp_path / f"native_fp8-{mode}_lora_1x64.json"
         args = f"--impl fp8-{mode} --ckpt {code} --fp8 {mode} --fp8-dir {tmp_path / 'weights'} --mode lora --tiny"
-        args += f" --batch 1 --seq 64 --steps 2 --warmup 1 --out {out}"
-        run = subprocess.run(
-            [sys.executable, "bench/e2e/native.py", *args.split()], cwd=root, capture_output=True, text=True
-        )
-        rows[mode] = json.loads(out.read_text())
-        assert "error" not in rows[mode], run.stderr[-3000:]
+        args += " --batch 1 --seq 64 --steps 2 --warmup 1"
+        rows[mode] = native_row(args, tmp_path / f"native_fp8-{mode}_lora_1x64.json")
     assert {mode: row["fp8"] for mode, row in rows.items()} == {"w8a16": "w8a16", "compute": "compute"}
     # one MoE layer: 8 experts' gate_up (256 x 256) and down (256 x 128) codes, 2 x 2 and 2 x 1 float32 scales
     assert rows["w8a16"]["experts_gb"] == rows["compute"]["experts_gb"] == float(f"{8 * (98304 + 6 * 4) / 1e9:.4g}")
