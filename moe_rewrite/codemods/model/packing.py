@@ -121,16 +121,9 @@ def _prove_model(forward: cst.FunctionDef, at: int) -> str | None:
     star = forward.params.star_kwarg
     if star is not None and any(star.name.value in _names(s, True) for s in _body(forward)):
         return f"`{star.name.value}` is rebound in its forward"
-    if any(GIVEN in _names(s, True) or GIVEN in _names(s, False) for s in _body(forward)):
+    if m.findall(forward, m.Name(GIVEN)):
         return f"its forward already names `{GIVEN}`"
     return None
-
-
-def _docstring_end(body: list[cst.BaseStatement]) -> int:
-    """Where the statements after the function's docstring (if any) begin."""
-    first = body[0] if body else None
-    docstring = m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString())])
-    return 1 if first is not None and m.matches(first, docstring) else 0
 
 
 def _model_call(forward: cst.FunctionDef) -> int | str:
@@ -286,7 +279,8 @@ def transform(module: cst.Module, context: Context) -> cst.Module:
         wrapped = wrapped.with_changes(args=_appended(wrapped, _keyword("packed", kwargs)))
         new = cst.ensure_type(new.deep_replace(_mask_statement(new)[1], wrapped), cst.FunctionDef)  # type: ignore[index]
         body = _body(new)
-        body.insert(_docstring_end(body), _marked(f"{GIVEN} = position_ids is not None\n", GIVEN_NOTE, module))
+        flag = _marked(f"{GIVEN} = position_ids is not None\n", GIVEN_NOTE, module)
+        body.insert(int(new.get_docstring() is not None), flag)  # first, after a docstring
         module = replace(module, forward, new.with_changes(body=new.body.with_changes(body=body)))
         models.append(name)
     for name, cls in top_classes(module).items():

@@ -152,8 +152,8 @@ def _moe_rewrite_sdpa_mask(
     tracing the file's mask, under torch.compile the file's mask unless the batch is packed. A packed batch
     (`position_ids`, and `packed` the forward's keyword arguments: packing.py) gets its documents in place of None,
     or in the file's mask where that is built (eager, attention weights asked for): each document then attends only
-    to itself. Under torch.compile a forward without an attention mask breaks the graph once where the documents
-    are found (one host sync)."""
+    to itself. Under torch.compile a forward given position ids (or cu_seq_lens_*) without an attention mask breaks
+    the graph once where the documents are found (one host sync)."""
     q_len = shape[-1]
     traced = torch.jit.is_tracing() or isinstance(embeds, torch.fx.Proxy) or isinstance(mask, torch.fx.Proxy)
     documents = None
