@@ -1,6 +1,6 @@
 """moe-rewrite: make DeepSeek-family MoE remote code trainable, with grouped-GEMM experts."""
 
-__version__ = "0.7.5"
+__version__ = "0.7.6"
 
 __all__ = ["RewriteError", "RewriteOptions", "RewriteResult", "rewrite_source", "__version__"]
 

@@ -178,6 +178,41 @@ def test_the_probe_saves_nothing_for_an_enclosing_gradient_checkpoint(monkeypatc
     assert packed == []
 
 
+def test_the_probe_is_invisible_to_selective_checkpointing(monkeypatch):
+    """torch's selective activation checkpointing records the outputs of the operators its policy keeps during the
+    forward and hands them back, in order, to the recomputed forward. A probe that runs in the first forward only
+    would shift them: on the H100 the recomputed attention got the probe's output ("shape '[2, 4096, 2048]' is
+    invalid for input of size 8192", change 48). A layer that probes on its first call, checkpointed with a policy
+    keeping the attention's and the products' outputs: the same gradients as without checkpointing."""
+    import contextlib
+    from functools import partial
+
+    import torch.nn.attention
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda *a, **k: contextlib.nullcontext())
+    generator = torch.Generator().manual_seed(0)
+    q, v, w = (torch.randn(2, 3, 16, d, generator=generator, requires_grad=True) for d in (24, 16, 16))
+    probes = []
+
+    def layer(q, v, w):
+        if not probes:  # as _moe_rewrite_attention_backend: once, then the choice is kept
+            probes.append(attention._moe_rewrite_cudnn_attention_runs(torch.device("cpu"), torch.float32, 24, 16))
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True)
+        return (out @ w).square().sum()
+
+    def policy(ctx, op, *args, **kwargs):
+        kept = "attention" in str(op) or op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    contexts = partial(create_selective_checkpoint_contexts, policy)
+    got = torch.autograd.grad(checkpoint(layer, q, v, w, use_reentrant=False, context_fn=contexts), (q, v, w))
+    assert probes == [True]
+    want = torch.autograd.grad(layer(q, v, w), (q, v, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_moe_rewrite_sdpa_0_keeps_the_published_core(monkeypatch):
     assert attention._moe_rewrite_sdpa_enabled()
     runtime_env(monkeypatch, "MOE_REWRITE_SDPA", "0")

@@ -124,20 +124,31 @@ def _moe_rewrite_attention_backend(device, dtype, qk_dim, v_dim):
 def _moe_rewrite_cudnn_attention_runs(device, dtype, qk_dim, v_dim):
     """Whether cuDNN's SDPA kernel runs a small causal forward and backward at these dims (torch >= 2.5, a GPU and a
     cuDNN that has it); asked once per key of _moe_rewrite_attention_backend. The first call comes inside the first
-    layer's forward, often under gradient checkpointing: the probe's own graph must not reach the checkpoint's
-    saved-tensor hooks (the recomputed forward, which no longer probes, would save fewer tensors and fail), so it runs
-    under hooks of its own, which take precedence."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    layer's forward, often under gradient checkpointing, which records what that forward runs: its saved-tensor hooks
+    the tensors saved, selective checkpointing's dispatch mode the outputs its policy keeps, handed back in order to
+    the recomputed forward. That forward no longer probes, so anything the probe left there would shift them and
+    backward would fail. The probe runs in a thread of its own, which sees none of the caller's thread-local hooks
+    and modes (nor its autocast)."""
+    import threading
 
-        q = torch.zeros(1, 1, 64, qk_dim, device=device, dtype=dtype, requires_grad=True)
-        v = torch.zeros(1, 1, 64, v_dim, device=device, dtype=dtype)
-        own_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with own_hooks, torch.enable_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True).sum().backward()
-    except (ImportError, AttributeError, RuntimeError):
-        return False
-    return True
+    runs = []
+
+    def probe():
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            q = torch.zeros(1, 1, 64, qk_dim, device=device, dtype=dtype, requires_grad=True)
+            v = torch.zeros(1, 1, 64, v_dim, device=device, dtype=dtype)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, v, is_causal=True).sum().backward()
+            runs.append(True)
+        except (ImportError, AttributeError, RuntimeError):
+            pass
+
+    thread = threading.Thread(target=probe, name="moe-rewrite-cudnn-probe")
+    thread.start()
+    thread.join()
+    return bool(runs)
 
 
 def _moe_rewrite_sdpa_mask(
