@@ -178,6 +178,38 @@ def test_under_autocast_the_gemms_run_in_its_dtype_and_the_leaves_get_float32_gr
         assert got.dtype == torch.float32 and rel(got, expected) <= 1e-2
 
 
+def test_the_weight_gradient_is_summed_in_place_over_the_chunks(monkeypatch):
+    """bf16 chunks sum the weight's gradient in float32 through torch's out_dtype GEMMs (CUDA only: emulated here with
+    the same signatures): the first chunk's product is the sum, and every later one is added into it in place
+    (out=total). An out-of-place addmm copies the sum first: 1.3 GB a chunk at Moonlight's vocabulary (change 48). The
+    gradient equals a float32 sum of the chunks' products."""
+    real_mm, real_addmm, calls = torch.mm, torch.addmm, []
+
+    def mm(a, b, *args, out_dtype=None, **kwargs):
+        if out_dtype is None:
+            return real_mm(a, b, *args, **kwargs)
+        calls.append("mm")
+        return real_mm(a.to(out_dtype), b.to(out_dtype))
+
+    def addmm(total, a, b, *args, out_dtype=None, out=None, **kwargs):
+        if out_dtype is None:
+            return real_addmm(total, a, b, *args, out=out, **kwargs)
+        calls.append("addmm in place" if out is total else "addmm")
+        result = real_addmm(total, a.to(out_dtype), b.to(out_dtype))
+        return out.copy_(result) if out is not None else result
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(lm_loss, "MOE_REWRITE_LOSS_CHUNK_BYTES", 4 * V * 2)  # 4 rows a chunk: 4 chunks of 14 rows
+    hidden, weight, labels = (t.detach() for t in leaves(True))
+    hidden, weight = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    loss, _ = lm_loss._moe_rewrite_lm_loss(hidden, weight, labels)
+    (got,) = grads_of(loss, weight)
+    assert calls == ["mm", "addmm in place", "addmm in place", "addmm in place"]
+    want = published(hidden.float(), weight.float(), labels)
+    assert got.dtype == torch.bfloat16 and rel(got.float(), grads_of(want, weight)[0]) <= 1e-2
+
+
 def test_labels_of_another_shape_are_refused():
     hidden, weight, labels = leaves(False)
     with pytest.raises(ValueError, match="labels of shape"):
