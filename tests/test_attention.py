@@ -213,6 +213,19 @@ def test_the_probe_is_invisible_to_selective_checkpointing(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
+def test_the_probe_runs_when_the_first_call_is_under_inference_mode(monkeypatch):
+    """The first attention call may come under torch.inference_mode() (an evaluation or generation before training):
+    the probe's small backward still runs (its thread does not inherit the mode), so training later gets cuDNN; the
+    probe under the caller's mode failed, and the choice was kept for the process."""
+    import contextlib
+
+    import torch.nn.attention
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda *a, **k: contextlib.nullcontext())
+    with torch.inference_mode():
+        assert attention._moe_rewrite_cudnn_attention_runs(torch.device("cpu"), torch.float32, 24, 16)
+
+
 def test_moe_rewrite_sdpa_0_keeps_the_published_core(monkeypatch):
     assert attention._moe_rewrite_sdpa_enabled()
     runtime_env(monkeypatch, "MOE_REWRITE_SDPA", "0")
