@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import ROOT  # noqa: E402
 from fp8 import dequantize_blockwise, quantize_blockwise, quantize_rows  # noqa: E402
 from helpers import native_row, rewritten_v3  # noqa: E402
 
@@ -211,7 +212,6 @@ def test_the_e2e_fp8_rows_run_on_the_cpu_at_tiny_sizes(tmp_path):
     from the same first loss within FP8 compute's rounding, and the report compares them where it can."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
     code = rewritten_v3(tmp_path / "fp8-code", "--fp8-compute")
     rows = {}
     for mode in ("w8a16", "compute"):
@@ -225,7 +225,7 @@ def test_the_e2e_fp8_rows_run_on_the_cpu_at_tiny_sizes(tmp_path):
     assert first[0] != first[1] and abs(first[0] - first[1]) <= 1e-2 * abs(first[0])
     report = subprocess.run(
         [sys.executable, "bench/e2e/native_report.py", *map(str, tmp_path.glob("native_*.json"))],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
